@@ -1,0 +1,1 @@
+"""eyas.common."""

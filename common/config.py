@@ -1,0 +1,207 @@
+"""Typed configs of the target decoder and the draft heads, read from Hugging Face `config.json`.
+
+Every field is checked at load: a field of the wrong type raises a `ConfigError` that names the
+file and the field. Family differences (qkv bias, q/k norm) are resolved here, once, from
+`model_type`; the model code reads only the resolved booleans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration file or mapping is malformed; the message names the source and the field."""
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(annotation)[:1] or (Any,)
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, annotation)
+
+
+def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str, allow_unknown: bool = False):
+    """Builds dataclass `cls` from `values`, checking each field's type against its annotation.
+
+    `source` names where the values came from (a file, a recipe key) for error messages.
+    Unknown keys are errors unless `allow_unknown` (HF config.json files carry many fields we ignore).
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown and not allow_unknown:
+        raise ConfigError(f"{source}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in values:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{source}: missing required field '{name}'")
+            continue
+        value = values[name]
+        if not _type_ok(value, hints[name]):
+            raise ConfigError(
+                f"{source}: field '{name}' should be {hints[name]}, got {type(value).__name__} {value!r}"
+            )
+        if hints[name] is float and isinstance(value, int):
+            value = float(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{source}: {err}") from err
+
+
+def read_json(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: `theta` and an optional scaling rule (`default`, `linear` or `llama3`)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        if self.type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope scaling type '{self.type}' is not supported (default, linear, llama3)")
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], source: str) -> RopeConfig:
+        # transformers < 5 writes `rope_theta` + `rope_scaling`; transformers 5 writes `rope_parameters`.
+        params = dict(cfg.get("rope_parameters") or {})
+        params.update(cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta", params.pop("rope_theta", 10000.0))
+        params.pop("rope_theta", None)
+        rope_type = params.pop("rope_type", params.pop("type", "default"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {"theta": theta, "type": rope_type, **{k: v for k, v in params.items() if k in known}}
+        return build_dataclass(cls, values, source=f"{source} (rope)")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `rope_theta` / `rope_scaling` pair of a config.json (the layout every engine reads)."""
+        if self.type == "default":
+            return {"rope_theta": self.theta, "rope_scaling": None}
+        scaling: dict[str, Any] = {"rope_type": self.type, "factor": self.factor}
+        if self.type == "llama3":
+            scaling.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return {"rope_theta": self.theta, "rope_scaling": scaling}
+
+
+# Family traits by HF `model_type`: the only place that looks at the name.
+#   qkv_bias: q/k/v projections have a bias; o_bias: o_proj has one; qk_norm: RMSNorm on q and k per head.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """A Llama-family decoder (Llama 3.x, Qwen2/2.5, Qwen3, Mistral), as its config.json describes it."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def default_aux_layers(self) -> tuple[int, int, int]:
+        """Layers whose *input* residual stream EAGLE-3 fuses: [2, L//2, L-3] (DESIGN, 'Aux hidden states')."""
+        n = self.num_hidden_layers
+        return (2, n // 2, n - 3)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> TargetConfig:
+        cfg = dict(cfg)
+        cfg.update(cfg.pop("text_config", None) or {})
+        model_type = cfg.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ConfigError(
+                f"{source}: model_type {model_type!r} is not supported; supported: {sorted(_FAMILIES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+        heads = cfg.get("num_attention_heads")
+        values = {k: cfg[k] for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "mlp_bias",
+        ) if k in cfg}
+        values["model_type"] = model_type
+        values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
+        if cfg.get("head_dim") is not None:
+            values["head_dim"] = cfg["head_dim"]
+        elif isinstance(cfg.get("hidden_size"), int) and isinstance(heads, int) and heads:
+            values["head_dim"] = cfg["hidden_size"] // heads
+        bias = cfg.get("attention_bias", False)
+        values.update(qkv_bias=bias, o_bias=bias)
+        values.update(_FAMILIES[model_type])
+        # Within a sliding window attention is plain causal attention: cap the context there.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if isinstance(window, int) and isinstance(values.get("max_position_embeddings"), int):
+            values["max_position_embeddings"] = min(values["max_position_embeddings"], window)
+        values["rope"] = RopeConfig.from_hf(cfg, source)
+        return build_dataclass(cls, values, source=source)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TargetConfig:
+        return cls.from_hf(read_json(path), source=str(path))

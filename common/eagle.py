@@ -1,0 +1,134 @@
+"""The EAGLE-1/2 draft head (`LlamaForCausalLMEagle`): decoder layers over fc(embedding ‖ feature).
+
+One draft step, for tokens x_t with embeddings e [B, T, H] and features f [B, T, H]:
+
+    x   = fc(cat(e, f))                  # [B, T, H]; fc may carry a bias
+    out = layers(x)                      # layer 0 has no input_layernorm; no final norm
+    logits = out @ lm_head[hot].T        # the target's lm_head, optionally restricted by an FR-Spec map
+
+At the first step f is the target's final (normed) hidden state; later steps feed the head its own `out`.
+Embedding and lm_head are the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .attention import AttentionMetadata
+from .config import ConfigError, RopeConfig, build_dataclass
+from .hot_vocab import HotVocab
+from .layers import MLP, Attention, RMSNorm, Rotary
+from .target import TargetOutput
+
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    vocab_size: int
+    num_hidden_layers: int = 1
+    fc_bias: bool = True  # config.json "bias"; EAGLE's Llama-3 heads write false
+    rope: RopeConfig = field(default_factory=RopeConfig)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], source: str) -> EagleConfig:
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in (EAGLE_ARCHITECTURE, "LlamaForCausalLM"):
+            raise ConfigError(
+                f"{source}: field 'architectures' is {cfg.get('architectures')!r}; expected ['{EAGLE_ARCHITECTURE}']"
+            )
+        heads = cfg.get("num_attention_heads")
+        values = {k: cfg[k] for k in (
+            "hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps",
+            "max_position_embeddings", "vocab_size", "num_hidden_layers",
+        ) if k in cfg}
+        values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
+        values["head_dim"] = cfg.get("head_dim") or (
+            cfg["hidden_size"] // heads if isinstance(cfg.get("hidden_size"), int) and isinstance(heads, int) else None
+        )
+        if "bias" in cfg:
+            values["fc_bias"] = cfg["bias"]
+        values["rope"] = RopeConfig.from_hf(cfg, source)
+        return build_dataclass(cls, values, source=source)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": [EAGLE_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_hidden_layers": self.num_hidden_layers,
+            "vocab_size": self.vocab_size,
+            "bias": self.fc_bias,
+            "tie_word_embeddings": False,
+            **self.rope.to_hf(),
+        }
+
+
+class EagleLayer(nn.Module):
+    def __init__(self, cfg: EagleConfig, index: int):
+        super().__init__()
+        H = cfg.hidden_size
+        # Layer 0's input is fc's output, which EAGLE does not normalise.
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps) if index > 0 else None
+        self.self_attn = Attention(H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.index = index
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, attn, self.index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleHead(nn.Module):
+    """`lm_head_weight` [draft_vocab, H] holds the target's lm_head rows of the hot vocabulary (all rows
+    without a token map); it is not part of the head's checkpoint."""
+
+    def __init__(self, cfg: EagleConfig, hot_vocab: HotVocab | None = None):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(EagleLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.hot_vocab = hot_vocab
+        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+
+    def attach_lm_head(self, target_lm_head: Tensor) -> None:
+        """Takes the target's lm_head [vocab, H], restricted to the hot vocabulary when there is one."""
+        self.lm_head_weight = target_lm_head if self.hot_vocab is None else target_lm_head[self.hot_vocab.hot_ids]
+
+    def project_target(self, target: TargetOutput) -> Tensor:
+        """First-step features: the target's final normed hidden state [B, T, H]."""
+        return target.hidden
+
+    def step(self, embeds: Tensor, features: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
+        """embeds, features [B, T, H]; positions [B, T] -> output [B, T, H], the next step's features."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+
+    def logits(self, out: Tensor) -> Tensor:
+        """out [B, T, H] -> logits over the draft vocabulary [B, T, draft_vocab]."""
+        return out @ self.lm_head_weight.T

@@ -1,0 +1,194 @@
+"""The EAGLE-3 draft head: one decoder layer over (token embedding ‖ fused target features).
+
+One draft step, for tokens x_t whose embeddings are e [B, T, H] and input features h [B, T, H]:
+
+    a   = attn(cat(input_layernorm(e), hidden_norm(h)))      # attention input is 2H wide
+    r   = (hidden_norm(h) if norm_before_residual else h) + a
+    out = r + mlp(post_attention_layernorm(r))               # next step's hidden input (pre-norm)
+    logits = lm_head(norm(out))                              # [B, T, draft_vocab]
+
+At the first step h = fc(aux), aux being the target's three captured residual streams [B, T, 3·Ht];
+later steps feed the head its own `out`. The token embedding is the target's (frozen), passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .attention import AttentionMetadata
+from .config import ConfigError, RopeConfig, TargetConfig, build_dataclass
+from .hot_vocab import HotVocab
+from .layers import MLP, Attention, RMSNorm, Rotary
+from .target import TargetOutput
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # Residual streams of the target fused by `fc`, as the ids of the layers they *enter*.
+    aux_layers: tuple[int, ...] | None = None  # None: the default [2, L//2, L-3] of the target
+    norm_before_residual: bool = False  # vLLM speculators variant: the residual is hidden_norm(h)
+
+    def __post_init__(self):
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
+        if self.aux_layers is not None and len(self.aux_layers) != 3:
+            raise ValueError(f"aux_layers must name 3 layers, got {self.aux_layers}")
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, draft_vocab_size: int, **overrides) -> Eagle3Config:
+        """A head shaped like one layer of `target` (the usual choice)."""
+        values: dict[str, Any] = dict(
+            hidden_size=target.hidden_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rms_norm_eps=target.rms_norm_eps,
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target.hidden_size,
+            rope=target.rope,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def aux_layers_for(self, target: TargetConfig) -> tuple[int, ...]:
+        return self.aux_layers if self.aux_layers is not None else target.default_aux_layers
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], source: str) -> Eagle3Config:
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch != EAGLE3_ARCHITECTURE and not (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg):
+            raise ConfigError(
+                f"{source}: field 'architectures' is {cfg.get('architectures')!r}; expected "
+                f"['{EAGLE3_ARCHITECTURE}'] (or ['LlamaForCausalLM'] with 'draft_vocab_size')"
+            )
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an EAGLE-3 head")
+        heads = cfg.get("num_attention_heads")
+        values = {k: cfg[k] for k in (
+            "hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps",
+            "max_position_embeddings", "vocab_size", "norm_before_residual",
+        ) if k in cfg}
+        values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
+        values["head_dim"] = cfg.get("head_dim") or (
+            cfg["hidden_size"] // heads if isinstance(cfg.get("hidden_size"), int) and isinstance(heads, int) else None
+        )
+        values["draft_vocab_size"] = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
+        values["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
+        values["rope"] = RopeConfig.from_hf(cfg, source)
+        # Engines disagree on what an explicit layer id means. SGLang reads the nested
+        # `eagle_config.eagle_aux_hidden_state_layer_ids` as layers whose *output* is captured (it taps
+        # the stream entering id + 1); vLLM/speculators read a top-level list as the layers the stream
+        # *enters*. We store the latter. Both engines' defaults are the same streams: [2, L//2, L-3].
+        top = cfg.get("eagle_aux_hidden_state_layer_ids")
+        nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if top is not None:
+            values["aux_layers"] = _layer_ids(top, "eagle_aux_hidden_state_layer_ids", source, shift=0)
+        elif nested is not None:
+            values["aux_layers"] = _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids", source, shift=1)
+        return build_dataclass(cls, values, source=source)
+
+    def to_hf(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "architectures": [EAGLE3_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_hidden_layers": 1,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            **self.rope.to_hf(),
+        }
+        if self.target_hidden_size != self.hidden_size:
+            cfg["target_hidden_size"] = self.target_hidden_size
+        if self.norm_before_residual:
+            cfg["norm_before_residual"] = True
+        if self.aux_layers is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]}
+        return cfg
+
+
+def _layer_ids(ids: Any, key: str, source: str, shift: int) -> tuple[int, ...]:
+    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        raise ConfigError(f"{source}: field '{key}' must be a list of ints, got {ids!r}")
+    return tuple(i + shift for i in ids)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(2 * H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        r = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, attn, 0)
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        # The draft vocabulary travels with the weights (SGLang/vLLM layout): target id = i + d2t[i].
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    @property
+    def hot_vocab(self) -> HotVocab:
+        return HotVocab.from_d2t(self.d2t, self.config.vocab_size)
+
+    def set_hot_vocab(self, vocab: HotVocab) -> None:
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def project_target(self, target: TargetOutput) -> Tensor:
+        """The target's captured streams aux [B, T, 3·Ht] -> first-step hidden input [B, T, H]."""
+        return self.fc(target.aux)
+
+    def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
+        """embeds, hidden [B, T, H]; positions [B, T] -> the layer output [B, T, H] (pre-norm)."""
+        cos, sin = self.rotary(positions, hidden.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, attn)
+
+    def logits(self, out: Tensor) -> Tensor:
+        """out [B, T, H] from `step` -> logits over the draft vocabulary [B, T, draft_vocab]."""
+        return self.lm_head(self.norm(out))

@@ -1,0 +1,166 @@
+"""Draft-head directories: `config.json` + weights, in the layouts other engines read and write.
+
+- EAGLE-3 (SGLang/vLLM/SpecForge): architectures ["LlamaForCausalLMEagle3"], keys `fc`, `midlayer.*`,
+  `norm`, `lm_head`, `d2t` (int64 offsets), `t2d` (bool). Original heads say ["LlamaForCausalLM"] and
+  carry `draft_vocab_size`. An `embed_tokens.weight` is accepted and ignored (the target's is used).
+- EAGLE-1/2 (`LlamaForCausalLMEagle`, or a plain `LlamaForCausalLM` config without `draft_vocab_size`):
+  `fc` (+ bias), `layers.N.*`; embedding and lm_head come from the target.
+- vLLM speculators (`speculators_model_type: eagle3`): the EAGLE-3 weights under `layers.0.*`, a config
+  wrapping the layer config; exported with `export_speculators`, and read back.
+
+The config travels with the weights: a head is rebuilt from its own `config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointError, load_strict, read_weights_dir, save_safetensors
+from .config import ConfigError, read_json
+from .eagle import EAGLE_ARCHITECTURE, EagleConfig, EagleHead
+from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
+from .hot_vocab import HotVocab
+from .target import TargetModel
+
+DraftHead = Eagle3Head | EagleHead
+
+
+def head_kind(cfg: dict[str, Any], source: str) -> str:
+    """'eagle3', 'speculators' or 'eagle', from a head's config.json."""
+    if "speculators_model_type" in cfg:
+        if cfg["speculators_model_type"] != "eagle3":
+            raise ConfigError(f"{source}: speculators_model_type {cfg['speculators_model_type']!r} is not supported")
+        return "speculators"
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch == EAGLE3_ARCHITECTURE or (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg):
+        return "eagle3"
+    if arch in (EAGLE_ARCHITECTURE, "LlamaForCausalLM"):
+        return "eagle"
+    raise ConfigError(
+        f"{source}: field 'architectures' is {cfg.get('architectures')!r}; expected "
+        f"['{EAGLE3_ARCHITECTURE}'], ['{EAGLE_ARCHITECTURE}'] or a speculators config"
+    )
+
+
+def _speculators_layer_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError(f"{source}: field 'transformer_layer_config' must be an object")
+    merged = {**layer, "architectures": [EAGLE3_ARCHITECTURE]}
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids"):
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
+
+
+def load_draft_head(
+    path: str | Path,
+    target: TargetModel | None = None,
+    *,
+    token_map: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> DraftHead:
+    """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head; `token_map`
+    (an FR-Spec `freq_N.pt`) restricts it. `dtype` None keeps the checkpoint's."""
+    path = Path(path)
+    source = str(path / "config.json")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"draft head {path}: no config.json")
+    cfg = read_json(path / "config.json")
+    kind = head_kind(cfg, source)
+    tensors = read_weights_dir(path)
+    if kind == "eagle":
+        config = EagleConfig.from_hf(cfg, source)
+        hot = HotVocab.load_token_map(token_map, config.vocab_size) if token_map else None
+        with torch.device("meta"):
+            head = EagleHead(config, hot)
+        load_strict(head, tensors, source=str(path), dtype=dtype, device=device,
+                    ignore=("embed_tokens.weight", "lm_head.weight"))
+        if target is not None:
+            head.attach_lm_head(target.lm_head_weight.to(device))
+    else:
+        if token_map:
+            raise ConfigError(f"{path}: an EAGLE-3 head carries its draft vocabulary (d2t); drop the token map")
+        if kind == "speculators":
+            cfg = _speculators_layer_config(cfg, source)
+        # Speculators and newer SGLang/vLLM heads name the layer `layers.0`; ours is `midlayer`.
+        tensors = {k.replace("layers.0.", "midlayer.", 1): v for k, v in tensors.items()}
+        config = Eagle3Config.from_hf(cfg, source)
+        if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
+            tensors = {**tensors, **_identity_vocab(config.vocab_size)}
+        with torch.device("meta"):
+            head = Eagle3Head(config)
+        load_strict(head, tensors, source=str(path), dtype=dtype, device=device, ignore=("embed_tokens.weight",))
+        _check_vocab_maps(head, str(path))
+    head.rotary.reset_parameters(device)
+    return head.eval()
+
+
+def _identity_vocab(vocab_size: int) -> dict[str, torch.Tensor]:
+    return {"d2t": torch.zeros(vocab_size, dtype=torch.long), "t2d": torch.ones(vocab_size, dtype=torch.bool)}
+
+
+def _check_vocab_maps(head: Eagle3Head, source: str) -> None:
+    """d2t must map into the target vocabulary, and t2d must mark exactly the ids d2t reaches."""
+    try:
+        vocab = head.hot_vocab
+    except ValueError as err:
+        raise CheckpointError(f"{source}: tensor 'd2t' is not a valid draft-to-target map: {err}") from err
+    if not torch.equal(vocab.t2d.to(head.t2d.device), head.t2d):
+        raise CheckpointError(f"{source}: tensor 't2d' disagrees with 'd2t' (t2d must be True exactly at i + d2t[i])")
+
+
+def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
+    """Writes the EAGLE-3 directory layout: config.json + model.safetensors (no embedding)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(head.config.to_hf(), indent=2) + "\n")
+    save_safetensors(head.state_dict(), path / "model.safetensors")
+
+
+def export_speculators(
+    head: Eagle3Head,
+    path: str | Path,
+    *,
+    verifier: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int = 3,
+) -> None:
+    """Writes vLLM's speculators layout. `verifier` names the target (a path or hub id) for vLLM."""
+    layer = head.config.to_hf()
+    extras = {k: layer.pop(k) for k in ("draft_vocab_size", "target_hidden_size") if k in layer}
+    layer.pop("architectures")
+    layer.pop("eagle_config", None)
+    aux = head.config.aux_layers
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "draft_vocab_size": extras["draft_vocab_size"],
+        # vLLM's speculators path defaults this to True when absent; always write it.
+        "norm_before_residual": head.config.norm_before_residual,
+        "target_hidden_size": extras.get("target_hidden_size"),
+        "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{
+                "proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1, "accept_tolerance": 0.0,
+            }],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
+        },
+    }
+    if aux is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux)  # vLLM ids: the layers the streams enter
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in head.state_dict().items()}
+    save_safetensors(tensors, path / "model.safetensors")

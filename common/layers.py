@@ -1,0 +1,123 @@
+"""Building blocks of the Llama-family decoder, shared by the target model and the draft heads.
+
+Parameter names follow Hugging Face (`self_attn.q_proj`, `mlp.gate_proj`, ...) so checkpoints
+load key for key.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import AttentionMetadata
+from .config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with `linear` or `llama3` scaling applied."""
+    inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return torch.where(is_medium, interpolated, inv_freq)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for explicit positions; the inverse frequencies are rebuilt, never loaded."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        super().__init__()
+        self.rope, self.head_dim = rope, head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+
+    def reset_parameters(self, device: torch.device | str | None = None):
+        """Recomputes `inv_freq` (after a meta-device build)."""
+        self.inv_freq = rope_inv_freq(self.rope, self.head_dim, device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [B, T] int -> cos, sin [B, T, D] in `dtype` (angles computed in fp32)."""
+        angles = positions[..., None].float() * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos, sin [B, T, D]. Rotates the two halves of D (the HF / GGUF-converted layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention. `in_features` differs from the model width in the EAGLE-3 head (2H)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        # Qwen3: RMSNorm over each head's q and k, before rotary.
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.attend(layer, q, k, v)  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,97 @@
+"""The target's tokenizer, its chat template and the tokens that end a generation.
+
+    tok = load_tokenizer("path/to/model.gguf")  # or a Hugging Face directory
+    ids = render_chat(tok, [{"role": "user", "content": "Hi"}])  # the prompt, up to the assistant header
+    stops = stop_token_ids(tok)  # SmolLM2: [2], <|im_end|>
+
+Data preparation, serving and evaluation all load tokenizers here, so they agree on the template and
+on which tokens end a turn.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Stands for an assistant message's content: plain letters that no template rewrites or merges with
+# the marker that follows.
+SENTINEL = "EyasSentinelContent"
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a target: a Hugging Face directory, or a `.gguf` file (its vocabulary and template)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    align_eos(tokenizer)
+    return tokenizer
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of `messages` (`{"role", "content"}` dicts) in the tokenizer's chat template.
+
+    Rendered to text, then encoded without added special tokens: the template already writes BOS and
+    the turn markers, so letting the tokenizer add them would double BOS.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token that the chat template closes each message with.
+
+    Found by rendering [user "x", assistant SENTINEL] and taking the first token after the sentinel,
+    only whitespace being allowed in between (Llama 2 writes " </s>"). For SmolLM2:
+        "...<|im_start|>assistant\\nEyasSentinelContent<|im_end|>\\n"  ->  <|im_end|> (id 2)
+    None when there is no chat template or the template ends messages with plain text.
+    """
+    if tokenizer.chat_template is None:
+        return None
+    _, after = _render_sentinel(tokenizer)
+    # Added tokens flagged special include template markers (`<|eot_id|>`, `<end_of_turn>`) that are
+    # not among the named special tokens (bos, eos, ...).
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    for token_id in tokenizer(after, add_special_tokens=False).input_ids:
+        if token_id in special:
+            return token_id
+        if tokenizer.decode([token_id]).strip():
+            return None
+    return None
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end a generation: eos and the end-of-turn token (one id when they are the same)."""
+    ids = (tokenizer.eos_token_id, end_of_turn_id(tokenizer))
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def align_eos(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Sets eos to the end-of-turn token when the chat template never writes the labelled eos.
+
+    A chat model stops by emitting the token that closes its turn, and generation loops, padding and
+    `generate` read `eos_token_id`. Checkpoints may label an unused token as eos (transformers versions
+    have read SmolLM2's GGUF with eos `<|endoftext|>`, which its template never writes, instead of
+    `<|im_end|>`); such an eos would never be produced. A label the template does write (Mistral closes
+    turns with `</s>`; some templates end the conversation with eos) is kept.
+    """
+    eot = end_of_turn_id(tokenizer)
+    if eot is None or eot == tokenizer.eos_token_id:
+        return
+    text, _ = _render_sentinel(tokenizer)
+    if tokenizer.eos_token_id not in tokenizer(text, add_special_tokens=False).input_ids:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eot)
+
+
+def _render_sentinel(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """(The template's text of [user "x", assistant SENTINEL], the text after the sentinel)."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    if SENTINEL not in text:
+        raise ValueError("the chat template does not write the assistant's message content")
+    return text, text[text.rindex(SENTINEL) + len(SENTINEL) :]

@@ -1,0 +1,61 @@
+"""Chat with a target through eyas's own model code (target-only greedy decoding over the paged KV cache).
+
+    python -m eyas.serve.chat "What is speculative decoding?"          # the embedded SmolLM2-135M-Instruct
+    python -m eyas.serve.chat --target path/to/hf_dir_or.gguf "Hello"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from eyas.common.assets import DEFAULT_TARGET, resolve_target
+from eyas.common.target import TargetModel
+from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
+
+from .generate import greedy_tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eyas.serve.chat", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", help="the user message")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"HF directory, .gguf file or packaged model name (default: {DEFAULT_TARGET})")
+    parser.add_argument("--system", help="an optional system message")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens <= 0:
+        parser.error("--max-new-tokens must be positive")
+
+    path = resolve_target(args.target)
+    started = time.perf_counter()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
+    tokenizer = load_tokenizer(path)
+    print(f"[loaded {path.name} in {time.perf_counter() - started:.1f}s on {args.device}]", file=sys.stderr)
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    stops = stop_token_ids(tokenizer)
+    answer: list[int] = []
+    shown = ""
+    started = time.perf_counter()
+    for token in greedy_tokens(model, render_chat(tokenizer, messages), args.max_new_tokens, stop_ids=stops):
+        if token in stops:
+            break
+        answer.append(token)
+        text = tokenizer.decode(answer)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+    seconds = time.perf_counter() - started
+    print()
+    print(f"[{len(answer)} tokens in {seconds:.1f}s, {len(answer) / seconds:.1f} tokens/s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

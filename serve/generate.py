@@ -1,0 +1,46 @@
+"""Target-only greedy generation of one sequence over the paged KV cache (the simplest use of the
+serving stack: the chat main job and the parity tests run it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from eyas.common.target import TargetModel
+
+from .attention.torch_sdpa import TorchPagedAttention
+from .kv_cache import KVPool
+
+
+@torch.no_grad()
+def greedy_tokens(
+    model: TargetModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    block_size: int = 16,
+) -> Iterator[int]:
+    """Yields up to `max_new_tokens` greedy tokens after `prompt_ids`, stopping after a stop id."""
+    cfg = model.config
+    device = model.embed_tokens.weight.device
+    total = len(prompt_ids) + max_new_tokens
+    pool = KVPool(
+        cfg.num_hidden_layers, -(-total // block_size), block_size, cfg.num_key_value_heads, cfg.head_dim,
+        model.embed_tokens.weight.dtype, device,
+    )
+    slots = pool.slots(pool.allocator.allocate(pool.allocator.num_free), 0, total, device)  # [total]
+    new = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    start = 0
+    for _ in range(max_new_tokens):
+        end = start + len(new)
+        positions = torch.arange(start, end, device=device)
+        mask = positions[:, None] >= torch.arange(end, device=device)[None]  # [T, end]: causal
+        attn = TorchPagedAttention(pool, slots[None, start:end], slots[None, :end], mask[None])
+        hidden = model(new[None], positions[None], attn).hidden[0, -1]
+        token = int(model.logits(hidden).argmax())
+        yield token
+        if token in stop_ids:
+            return
+        new, start = torch.tensor([token], device=device), end

