@@ -62,3 +62,13 @@ def hf_checkpoint(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped, with the reason shown, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

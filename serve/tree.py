@@ -1,0 +1,155 @@
+"""EAGLE-2 dynamic draft trees: which candidates to draft, and the tree the target verifies.
+
+Per request, with `topk` = k and `num_steps` draft passes:
+  pass 0 runs the draft on the root (the last token in the sequence): its top-k tokens are the depth-1
+      candidates, scored by their draft log-probability, and form the first frontier;
+  pass d (1 .. num_steps-1) runs the draft on the k frontier nodes: each proposes its top-k children,
+      scored by cumulative log-probability (parent score + log q(child)); the best k of those k·k
+      become the next frontier. Every scored node stays a candidate.
+Finally the best `num_draft_tokens - 1` candidates by score are kept. A child's score never exceeds
+its parent's (log q ≤ 0), and ties are broken by creation order (parents are created first), so the
+kept set is closed under taking parents: it is a tree. Nodes are then ordered by creation, so parents
+precede children. With k = 1 the tree is a chain.
+
+Worked example, k = 2, num_steps = 2, num_draft_tokens = 4 (scores are log-probs):
+  pass 0:  a -0.1, b -0.5                       frontier [a, b]
+  pass 1:  a -> c -0.3, d -1.0;  b -> e -0.7, f -2.0
+  best 3 of {a -0.1, b -0.5, c -0.4, d -1.1, e -1.2, f -2.5}: a, c, b
+  verified tree: [root, a, b, c] with parents [-1, 0, 0, 1]
+
+Shapes: B requests, k = topk, V = draft vocab; node 0 of the final tree is the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    """The tree the target verifies, B requests of N nodes each (node 0 = root)."""
+
+    tokens: Tensor  # [B, N] token ids (draft-vocab indices until mapped by the caller), tokens[:, 0] = root
+    parents: Tensor  # [B, N] parent node index, -1 for the root; parents precede children
+    depth: Tensor  # [B, N] 0 for the root: a node's position is the root's position + depth
+    mask: Tensor  # [B, N, N] bool: node i may attend node j iff j is i or one of its ancestors
+    scores: Tensor  # [B, N] cumulative draft log-probability (+inf for the root)
+
+
+class TreeBuilder:
+    """Grows the candidate pool pass by pass; the engine runs the draft between the calls.
+
+        builder = TreeBuilder(root_tokens, topk)
+        tokens = builder.first(logp0)                     # [B, k] depth-1 frontier
+        for _ in range(num_steps - 1):
+            rows = builder.frontier_parent_rows            # [B, k]: which previous frontier row each one extends
+            mask = builder.frontier_mask()                 # [B, k, P]: frontier vs the P drafted nodes so far
+            logp = <draft pass on tokens, at depth builder.depth, hidden of rows, attending by mask>
+            tokens = builder.extend(logp)                 # [B, k, V] -> next frontier [B, k]
+        tree = builder.finalize(num_draft_tokens)
+    """
+
+    def __init__(self, root_tokens: Tensor, topk: int):
+        B, device = root_tokens.shape[0], root_tokens.device
+        self.k = topk
+        # Candidate pool, in creation order; candidate 0 is the root (never dropped, score +inf).
+        self.tokens = [root_tokens[:, None]]  # list of [B, n]
+        self.scores = [torch.full((B, 1), float("inf"), device=device)]
+        self.parents = [torch.full((B, 1), -1, dtype=torch.long, device=device)]
+        self.depths = [torch.zeros(B, 1, dtype=torch.long, device=device)]
+        self.frontier: Tensor | None = None  # [B, k] candidate indices of the nodes the next pass drafts on
+        self.frontier_parent_rows: Tensor | None = None
+        self._frontier_ancestors: Tensor | None = None  # [B, k, P] see frontier_mask
+        self.depth = 0
+
+    @property
+    def _size(self) -> int:
+        return sum(t.shape[1] for t in self.tokens)
+
+    def _add(self, tokens: Tensor, scores: Tensor, parents: Tensor) -> Tensor:
+        """Appends candidates [B, m]; returns their candidate indices [B, m]."""
+        B, m = tokens.shape
+        start = self._size
+        self.tokens.append(tokens)
+        self.scores.append(scores)
+        self.parents.append(parents)
+        self.depths.append(torch.full((B, m), self.depth, dtype=torch.long, device=tokens.device))
+        return torch.arange(start, start + m, device=tokens.device).expand(B, m)
+
+    def first(self, logp: Tensor) -> Tensor:
+        """logp [B, V]: the draft's log-probs at the root -> the depth-1 frontier tokens [B, k]."""
+        self.depth = 1
+        scores, tokens = logp.topk(self.k, dim=-1)  # [B, k]
+        self.frontier = self._add(tokens, scores, torch.zeros_like(tokens))
+        self.frontier_parent_rows = None
+        self._frontier_ancestors = torch.eye(self.k, dtype=torch.bool, device=logp.device).expand(len(logp), -1, -1)
+        return tokens
+
+    def frontier_mask(self) -> Tensor:
+        """[B, k, P] bool over the P = k·(passes so far) drafted nodes, in drafting order: a frontier node
+        sees itself and its drafted ancestors (the draft's own KV of this tree)."""
+        return self._frontier_ancestors
+
+    def extend(self, logp: Tensor) -> Tensor:
+        """logp [B, k, V]: the draft's log-probs at the frontier -> the next frontier tokens [B, k]."""
+        B, k, _ = logp.shape
+        self.depth += 1
+        child_scores, child_tokens = logp.topk(self.k, dim=-1)  # [B, k, k]
+        parent_ids = self.frontier  # [B, k]
+        parent_scores = torch.cat(self.scores, dim=1).gather(1, parent_ids)  # [B, k]
+        scores = (parent_scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
+        parents = parent_ids[:, :, None].expand(-1, -1, self.k).flatten(1)
+        ids = self._add(child_tokens.flatten(1), scores, parents)  # [B, k·k]
+        best = scores.topk(self.k, dim=-1).indices.sort(dim=-1).values  # [B, k], in creation order
+        self.frontier = ids.gather(1, best)
+        rows = best // self.k  # [B, k]: the row of the previous frontier each new frontier node extends
+        self.frontier_parent_rows = rows
+        # A new frontier node's drafted ancestors: its parent's (parent included), then itself.
+        prev = self._frontier_ancestors  # [B, k, P]
+        inherited = prev.gather(1, rows[:, :, None].expand(-1, -1, prev.shape[2]))
+        own = torch.eye(k, dtype=torch.bool, device=logp.device).expand(B, -1, -1)
+        self._frontier_ancestors = torch.cat([inherited, own], dim=2)  # [B, k, P + k]
+        return child_tokens.flatten(1).gather(1, best)
+
+    def finalize(self, num_draft_tokens: int) -> DraftTree:
+        """Keeps the root and the best `num_draft_tokens - 1` candidates; re-indexes parents."""
+        tokens, scores = torch.cat(self.tokens, 1), torch.cat(self.scores, 1)  # [B, C]
+        parents, depths = torch.cat(self.parents, 1), torch.cat(self.depths, 1)
+        B, C = tokens.shape
+        n = min(num_draft_tokens, C)
+        # Rank by score, ties by creation index (stable sort), keep n, restore creation order.
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
+        keep = order.sort(dim=-1).values  # [B, n] candidate indices; keep[:, 0] = 0 (the root)
+        new_index = torch.full((B, C), -1, dtype=torch.long, device=tokens.device)
+        new_index.scatter_(1, keep, torch.arange(n, device=tokens.device).expand(B, n))
+        kept_parents = parents.gather(1, keep)
+        tree_parents = torch.where(kept_parents < 0, kept_parents, new_index.gather(1, kept_parents.clamp(min=0)))
+        if (tree_parents[:, 1:] < 0).any():
+            raise AssertionError("a kept candidate's parent was dropped")
+        tree_depth = depths.gather(1, keep)
+        mask = ancestor_mask(tree_parents, int(tree_depth.max()))
+        return DraftTree(
+            tokens=tokens.gather(1, keep),
+            parents=tree_parents,
+            depth=tree_depth,
+            mask=mask,
+            scores=scores.gather(1, keep),
+        )
+
+
+def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
+    """parents [B, n] (-1 = root) -> [B, n, n] bool, [i, j] iff j is i or an ancestor of i.
+
+    Each round extends every row by its parent's row: after `max_depth` rounds all paths are complete.
+    """
+    B, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(B, n, n)
+    has_parent = (parents >= 0)[:, :, None]
+    index = parents.clamp(min=0)[:, :, None].expand(B, n, n)
+    mask = eye
+    for _ in range(max_depth):
+        mask = eye | (mask.gather(1, index) & has_parent)
+    return mask
