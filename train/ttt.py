@@ -47,10 +47,7 @@ class TTTAttention(AttentionMetadata):
     One fused SDPA call per step, so no [B, Hq, T, T·(i+1)] score tensor is stored. Cost: the masks kept for
     backward are Σ_i T·T·(i+1) bools = 28·T² (117 MB per row at T=2048, k=7) and the concatenated k/v 28·T·Hkv·D
     each. The diagonal blocks are mostly masked, so step i does (i+1)·T² score work where T²/2 + i·T would do:
-    28·T² over 7 steps, 8x causal attention. Measured on an H200 (bf16, 8B-sized head, B=1, T=2048, k=7): 24 ms
-    fwd+bwd for the 7 attention calls (cuDNN's masked flash kernel) vs 3 ms for 7 causal calls; the whole
-    ttt_loss 94 ms and 6.2 GiB, vs 121 ms and 11.9 GiB for explicit [T, T] scores plus per-position chain
-    dot products. A block-sparse kernel (flex_attention) could skip the masked blocks.
+    28·T² over 7 steps, 8x causal attention. A block-sparse kernel (flex_attention) could skip the masked blocks.
     """
 
     def __init__(self, key_valid: Tensor):

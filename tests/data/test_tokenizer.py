@@ -6,13 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from eyas.common.assets import asset_path
-from eyas.data.tokenizer import SENTINEL, align_eos, end_of_turn_id, load_tokenizer, render_chat, stop_token_ids
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    return load_tokenizer(asset_path("smollm2-135m-instruct"))
+from eyas.data.tokenizer import SENTINEL, align_eos, end_of_turn_id, render_chat, stop_token_ids
 
 
 def test_smollm2_stop_ids_contain_im_end(smollm2):

@@ -1,0 +1,200 @@
+"""Conversation files -> normalized conversations, `[{"role": "system"|"user"|"assistant", "content": str}, ...]`.
+
+    report = ReadReport()
+    for messages in read_conversations("ShareGPT_V3.json", report=report):
+        ...
+    print(report.summary())  # "...: 17545 conversations from 17671 records; skipped 126 ...; file ended mid-record"
+
+Files are recognised by content: a JSON array (ShareGPT's layout) or JSON lines. Each record's layout is
+recognised by its keys (or forced with `format=`):
+  "sharegpt":  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}
+  "messages":  {"messages": [{"role", "content"}, ...]}   OpenAI chat JSONL, HF ultrachat_200k rows
+  "ultrachat": {"data": [user, assistant, user, ...]}     the original UltraChat release
+A bad record (unknown role, empty or non-string content, no assistant turn, roles out of order, malformed
+JSON) is skipped and counted with its file and place; `strict=True` raises `ConversationError` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+Conversation = list[dict[str, str]]
+FORMATS = ("sharegpt", "messages", "ultrachat")
+
+# ShareGPT speaker names -> roles. V3 also names some assistant turns after the product that wrote them.
+ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
+
+
+class ConversationError(ValueError):
+    """A record is bad (strict mode); the message names the file and the record's index or line."""
+
+
+@dataclass
+class ReadReport:
+    """What reading one file found: filled in while `read_conversations` iterates."""
+
+    path: str = ""
+    records: int = 0  # complete records parsed (good or bad)
+    conversations: int = 0  # yielded
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (place, reason), e.g. ("record 12", "...")
+    truncated: bool = False  # the file ended inside a record (a cut download or a deliberately short copy)
+
+    def summary(self) -> str:
+        text = f"{self.path}: {self.conversations} conversations from {self.records} records"
+        if self.skipped:
+            place, reason = self.skipped[0]
+            text += f"; skipped {len(self.skipped)} bad record(s), first at {place}: {reason}"
+        if self.truncated:
+            text += f"; file ended mid-record, kept the {self.records} complete records before it"
+        return text
+
+
+def read_conversations(
+    path: str | Path,
+    format: str | None = None,
+    strict: bool = False,
+    max_bytes: int | None = None,
+    report: ReadReport | None = None,
+) -> Iterator[Conversation]:
+    """Yields the normalized conversations of a file, skipping (or, if `strict`, raising on) bad records.
+
+    `format`: one of FORMATS to force every record's layout; None recognises each record by its keys.
+    `max_bytes`: read only the file's first bytes (a cut JSON array then reads as truncated).
+    `report`: filled in as the file is read; a one-line summary is also logged at the end.
+    """
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}")
+    path = Path(path)
+    report = report if report is not None else ReadReport()
+    report.path = str(path)
+    with open(path, "rb") as f:
+        data = f.read(max_bytes if max_bytes is not None else -1)
+    # A read cut at max_bytes may split a multi-byte character: drop the partial one.
+    text = data.decode("utf-8", errors="ignore" if max_bytes is not None else "strict")
+
+    def bad(place: str, reason: str) -> None:
+        if strict:
+            raise ConversationError(f"{path}: {place}: {reason}")
+        report.skipped.append((place, reason))
+
+    records = _json_array(text) if text.lstrip().startswith("[") else _json_lines(text)
+    for place, record in records:
+        if record is None:  # the file ended inside a record
+            report.truncated = True
+            if strict:
+                raise ConversationError(f"{path}: {place}: file ended mid-record")
+            break
+        if isinstance(record, json.JSONDecodeError):
+            bad(place, f"malformed JSON: {record}")
+            continue
+        report.records += 1
+        try:
+            messages = normalize(record, format)
+        except ValueError as e:
+            bad(place, str(e))
+            continue
+        report.conversations += 1
+        yield messages
+    (logger.warning if report.skipped or report.truncated else logger.info)(report.summary())
+
+
+def _json_array(text: str) -> Iterator[tuple[str, object]]:
+    """(place, record) for each element of a JSON array, parsed one at a time so that a file cut inside
+    a record still yields every complete record before the cut; the cut yields (place, None)."""
+    decoder = json.JSONDecoder()
+    i, index = text.index("[") + 1, 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i == len(text):  # ended between records, before the closing bracket
+            yield f"record {index}", None
+            return
+        if text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            # An array that never closes was cut off; anything else is broken JSON that we cannot
+            # resynchronise within (an element's end is unknown), so it ends the file as an error.
+            if not text.rstrip().endswith("]"):
+                yield f"record {index}", None
+            else:
+                yield f"record {index}", e
+            return
+        yield f"record {index}", record
+        index += 1
+
+
+def _json_lines(text: str) -> Iterator[tuple[str, object]]:
+    """(place, record) for each non-blank line; a malformed line yields its JSONDecodeError."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                yield f"line {number}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"line {number}", e
+
+
+def normalize(record: object, format: str | None = None) -> Conversation:
+    """One record -> a conversation: an optional system message, then user/assistant turns alternating
+    from a user turn. Raises ValueError saying what is wrong with a bad record.
+
+    Leading assistant turns are dropped: ShareGPT's split conversations often start mid-dialogue with the
+    assistant (6,358 of the 17,671 records of the packaged copy), and there is no prompt to condition on.
+    A trailing user turn is dropped too: nothing learns from it.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    format = format or next((f for f, key in _KEYS.items() if key in record), None)
+    if format is None or _KEYS[format] not in record:
+        raise ValueError(f"no {format or 'known'} conversation key in record keys {sorted(record)[:8]}")
+    turns = record[_KEYS[format]]
+    if not isinstance(turns, list):
+        raise ValueError(f"'{_KEYS[format]}' is not a list")
+    if format == "ultrachat":
+        messages = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(turns)]
+    else:
+        role_key, content_key = ("from", "value") if format == "sharegpt" else ("role", "content")
+        messages = []
+        for turn in turns:
+            if not isinstance(turn, dict):
+                raise ValueError(f"a turn is {type(turn).__name__}, not an object")
+            role = turn.get(role_key)
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r}")
+            messages.append({"role": ROLES[role], "content": turn.get(content_key)})
+    for m in messages:
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise ValueError(f"empty or non-string {m['role']} content: {str(m['content'])[:40]!r}")
+
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(system) :]
+    while turns and turns[0]["role"] == "assistant":
+        turns = turns[1:]
+    if turns and turns[-1]["role"] == "user":
+        turns = turns[:-1]
+    if not any(m["role"] == "assistant" for m in turns):
+        raise ValueError("no assistant turn after a user turn")
+    for i, m in enumerate(turns):
+        expected = ("user", "assistant")[i % 2]
+        if m["role"] != expected:
+            raise ValueError(f"roles out of order: a {m['role']} turn where a {expected} turn belongs")
+    return system + turns
+
+
+_KEYS = {"sharegpt": "conversations", "messages": "messages", "ultrachat": "data"}

@@ -1,0 +1,136 @@
+"""A conversation file -> a cached `datasets.Dataset` of `input_ids` + `loss_mask`, and the batch collator.
+
+    ds = build_dataset("sharegpt.json", tokenizer, DataConfig(max_length=2048))
+    loader = DataLoader(ds, batch_size=8, collate_fn=collate)
+
+Both steps go through `datasets`' cache (`cache_dir`, default ~/.cache/huggingface/datasets), so a second
+run with the same file, tokenizer and config loads Arrow files instead of re-reading and re-tokenizing:
+  - the conversations: `Dataset.from_generator`, keyed on the path, size and mtime of the file and the format;
+  - the tokens: `map`, keyed on that dataset's fingerprint and a hash of the tokenizer and max_length.
+Skipped records are reported (logged) when the file is read, so only on the first run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from datasets import Dataset, Features, Value
+from transformers import PreTrainedTokenizerBase
+
+from eyas.data.conversations import FORMATS, read_conversations
+from eyas.data.loss_mask import TemplateMismatch, mask_tokens, render_with_spans
+from eyas.data.tokenizer import end_of_turn_id
+
+logger = logging.getLogger(__name__)
+
+# A list literal is a list feature in every datasets version (`List` is new in 4.0).
+MESSAGES = Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
+
+
+@dataclass
+class DataConfig:
+    max_length: int = 2048  # tokens kept per conversation (its first ones)
+    format: str | None = None  # one of conversations.FORMATS; None recognises each record by its keys
+    num_proc: int | None = None  # processes for tokenizing; None tokenizes in this process
+    cache_dir: str | None = None  # datasets' cache; None is its default
+
+    def __post_init__(self):
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be positive, got {self.max_length}")
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS} or None, got {self.format!r}")
+
+
+def load_conversations(path: str | Path, config: DataConfig | None = None, max_bytes: int | None = None) -> Dataset:
+    """The file's conversations as a Dataset with one column, `messages`; `max_bytes` reads only the
+    file's start (see `read_conversations`)."""
+    config = config or DataConfig()
+    path = Path(path).resolve()
+    stat = path.stat()
+    return Dataset.from_generator(
+        _generate,
+        features=MESSAGES,
+        cache_dir=config.cache_dir,
+        # Strings, not lists: datasets shards list-valued gen_kwargs. `stamp` only keys the cache.
+        gen_kwargs={
+            "path": str(path),
+            "format": config.format,
+            "max_bytes": max_bytes,
+            "stamp": f"{stat.st_size}-{stat.st_mtime_ns}",
+        },
+    )
+
+
+def build_dataset(
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    config: DataConfig | None = None,
+    max_bytes: int | None = None,
+) -> Dataset:
+    """Columns `input_ids` and `loss_mask` (int lists of equal length <= max_length), one row per
+    conversation that has at least one loss token (conversations whose assistant part was cut off by
+    max_length, or whose template rewrites assistant content, are dropped and logged)."""
+    config = config or DataConfig()
+    conversations = load_conversations(path, config, max_bytes)
+    ds = conversations.map(
+        _tokenize_batch,
+        batched=True,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "end_of_turn": end_of_turn_id(tokenizer),
+            "max_length": config.max_length,
+        },
+        remove_columns=["messages"],
+        num_proc=config.num_proc,
+        desc="tokenizing",
+    )
+    if len(ds) < len(conversations):
+        logger.warning(f"{path}: dropped {len(conversations) - len(ds)} conversations without loss tokens")
+    return ds
+
+
+def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
+    for messages in read_conversations(path, format=format, max_bytes=max_bytes):
+        yield {"messages": messages}
+
+
+def _tokenize_batch(
+    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int
+) -> dict[str, list]:
+    texts, spans = [], []
+    for messages in batch["messages"]:
+        try:
+            text, s = render_with_spans(tokenizer, messages)
+        except TemplateMismatch as e:
+            logger.warning(f"skipping a conversation: {e}")
+            continue
+        texts.append(text)
+        spans.append(s)
+    # One call for the whole batch: the Rust tokenizer spreads it over threads.
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    out = {"input_ids": [], "loss_mask": []}
+    for text, s, ids, offsets in zip(texts, spans, enc.input_ids, enc.offset_mapping, strict=True):
+        mask = mask_tokens(text, ids, offsets, s, end_of_turn)[:max_length]
+        if any(mask):
+            out["input_ids"].append(ids[:max_length])
+            out["loss_mask"].append(mask)
+    return out
+
+
+def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: `input_ids [B, T]` long, `loss_mask [B, T]` long, `attention_mask [B, T]` long,
+    T the longest row. Padding is masked out of both attention and loss, so `pad_id` only fills space."""
+    lengths = [len(row["input_ids"]) for row in rows]
+    batch = {
+        "input_ids": torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long),
+        "loss_mask": torch.zeros(len(rows), max(lengths), dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), max(lengths), dtype=torch.long),
+    }
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
+        batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"])
+        batch["attention_mask"][i, :n] = 1
+    return batch

@@ -1,0 +1,96 @@
+"""A conversation -> token ids in the target's chat template + a loss mask on the assistant's tokens.
+
+    eot = end_of_turn_id(tokenizer)
+    row = tokenize_conversation(tokenizer, messages, end_of_turn=eot, max_length=2048)
+    row["input_ids"], row["loss_mask"]  # lists of equal length; loss_mask 1 on assistant tokens
+
+The mask covers each assistant message's content and the end-of-turn token that closes it (the head
+must learn to stop), and nothing of the system/user messages or the template's markers. Worked example,
+SmolLM2 (the template adds its default system message):
+
+    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
+                                                                                  ^^^^^^^^^^^^^^^^ mask 1
+
+Generic for any template, without knowing its markers: the conversation is rendered twice, once as is and
+once with every assistant content replaced by SENTINEL. The text between sentinels is the template's
+own, so the real text must be `piece0 + content0 + piece1 + content1 + ... + pieceN`; that gives each
+content's exact character span (checked against the real rendering, with contents as given or trimmed,
+as Llama 3's template trims them). Tokens overlapping a span are masked, plus the end-of-turn token after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from eyas.data.tokenizer import SENTINEL
+
+
+class TemplateMismatch(ValueError):
+    """The chat template does not write an assistant content verbatim (or trimmed), so its span is unknown."""
+
+
+def render_with_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(The conversation in the chat template, the [start, end) character span of each assistant content)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    stand_in = [{**m, "content": SENTINEL} if m["role"] == "assistant" else m for m in messages]
+    pieces = tokenizer.apply_chat_template(stand_in, tokenize=False, add_generation_prompt=False).split(SENTINEL)
+    contents = [m["content"] for m in messages if m["role"] == "assistant"]
+    if len(pieces) != len(contents) + 1:
+        raise TemplateMismatch(f"the template wrote {len(pieces) - 1} of {len(contents)} assistant messages")
+    for rendered in (contents, [c.strip() for c in contents]):
+        spans, parts, pos = [], [], 0
+        for piece, content in zip(pieces, rendered, strict=False):  # stops before the last piece
+            pos += len(piece)
+            spans.append((pos, pos + len(content)))
+            pos += len(content)
+            parts += [piece, content]
+        if "".join(parts) + pieces[-1] == text:
+            return text, spans
+    raise TemplateMismatch("the template rewrites assistant content (neither verbatim nor trimmed)")
+
+
+def mask_tokens(
+    text: str,
+    input_ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    spans: list[tuple[int, int]],
+    end_of_turn: int | None,
+) -> list[int]:
+    """1 for each token overlapping a span, and for the `end_of_turn` token that follows a span (only
+    whitespace tokens between, as in Llama 2's " </s>"); 0 elsewhere. `offsets[k]` is token k's
+    [start, end) in `text`; tokens and spans are both in text order, so one pass suffices."""
+    mask = [0] * len(input_ids)
+    k = 0
+    for start, end in spans:
+        while k < len(offsets) and offsets[k][1] <= start:
+            k += 1
+        while k < len(offsets) and offsets[k][0] < end:
+            mask[k] = 1
+            k += 1
+        j = k
+        while j < len(offsets) and input_ids[j] != end_of_turn and not text[offsets[j][0] : offsets[j][1]].strip():
+            j += 1
+        if j < len(offsets) and input_ids[j] == end_of_turn:
+            mask[j] = 1
+    return mask
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    end_of_turn: int | None,
+    max_length: int | None = None,
+) -> dict[str, list[int]]:
+    """{"input_ids", "loss_mask"} of one conversation, cut to the first `max_length` tokens.
+
+    `end_of_turn`: `eyas.data.tokenizer.end_of_turn_id(tokenizer)`, passed in because finding it renders
+    the template. Special-token text inside a message (a literal "<|im_end|>") is read as that special
+    token, as the tokenizer does at serving time.
+    """
+    text, spans = render_with_spans(tokenizer, messages)
+    # No added special tokens: the template writes BOS and the turn markers itself.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = mask_tokens(text, enc.input_ids, enc.offset_mapping, spans, end_of_turn)
+    return {"input_ids": enc.input_ids[:max_length], "loss_mask": mask[:max_length]}

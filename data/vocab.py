@@ -1,0 +1,83 @@
+"""Token frequencies of the assistant tokens of a data set -> the draft vocabulary.
+
+    python -m eyas.data.vocab --target smollm2-135m-instruct --data sharegpt.json --size 8192 --output freq_8192.pt
+
+writes an FR-Spec token map (a torch.save'd list of target ids, most frequent first). In Python:
+
+    counts = token_counts(build_dataset(path, tokenizer), vocab_size)   # int64 [vocab]
+    hot = draft_vocab(counts)                                            # EAGLE-3 order (ascending id)
+
+Only loss-masked tokens count: the draft head is trained, and scored, on predicting the assistant's tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from datasets import Dataset
+from torch import Tensor
+
+from eyas.common.hot_vocab import HotVocab
+
+DEFAULT_SIZE = 32000
+
+
+def token_counts(ds: Dataset, vocab_size: int) -> Tensor:
+    """int64 `[vocab_size]`: how often each token id occurs where `loss_mask` is 1, over all rows of `ds`."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for batch in ds.select_columns(["input_ids", "loss_mask"]).iter(batch_size=1000):
+        ids = torch.tensor([i for row in batch["input_ids"] for i in row], dtype=torch.int64)
+        mask = torch.tensor([m for row in batch["loss_mask"] for m in row], dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return counts
+
+
+def draft_vocab(
+    counts: Tensor, size: int = DEFAULT_SIZE, order: Literal["by_id", "by_frequency"] = "by_id"
+) -> HotVocab:
+    """The `size` most frequent ids (the whole vocab when it is smaller); by_id is EAGLE-3's order."""
+    return HotVocab.from_counts(counts, min(size, counts.numel()), order=order)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eyas.common.assets import resolve_target
+    from eyas.common.checkpoint import target_config
+    from eyas.data.conversations import FORMATS
+    from eyas.data.dataset import DataConfig, build_dataset
+    from eyas.data.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eyas.data.vocab",
+        description="Count the assistant (loss-masked) tokens of a conversation file in the target's chat "
+        "template and write an FR-Spec token map: a torch.save'd list of the SIZE most frequent target "
+        "token ids, most frequent first.",
+    )
+    parser.add_argument("--target", required=True, help="HF directory, .gguf file, or packaged model name")
+    parser.add_argument("--data", required=True, type=Path, help="ShareGPT JSON, messages JSONL or UltraChat file")
+    parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="ids to keep (default %(default)s)")
+    parser.add_argument("--output", required=True, type=Path, help="the token map to write, e.g. freq_32000.pt")
+    parser.add_argument("--format", choices=FORMATS, help="record layout (default: recognised per record)")
+    parser.add_argument(
+        "--max-length", type=int, default=DataConfig.max_length, help="tokens kept per row (default %(default)s)"
+    )
+    parser.add_argument("--num-proc", type=int, help="processes for tokenizing")
+    parser.add_argument("--cache-dir", help="datasets' cache (default: its own, ~/.cache/huggingface/datasets)")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    target = resolve_target(args.target)
+    tokenizer = load_tokenizer(target)
+    config = DataConfig(args.max_length, args.format, args.num_proc, args.cache_dir)
+    counts = token_counts(build_dataset(args.data, tokenizer, config), target_config(target).vocab_size)
+    hot = draft_vocab(counts, args.size, order="by_frequency")
+    hot.save_token_map(args.output)
+    covered = counts[hot.hot_ids].sum() / counts.sum().clamp(min=1)
+    print(f"wrote {args.output}: {hot.draft_vocab_size} ids covering {covered:.2%} of {int(counts.sum())} loss tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Conversation readers: every format normalizes alike; bad records are skipped and reported, or raise."""
+
+import json
+
+import pytest
+
+from eyas.common.assets import asset_path
+from eyas.data.conversations import ConversationError, ReadReport, read_conversations
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def read(path, **kwargs):
+    report = ReadReport()
+    return list(read_conversations(path, report=report, **kwargs)), report
+
+
+def test_formats_normalize_alike(tmp_path):
+    turns = [{"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]} for m in CHAT]
+    sharegpt = [{"id": "a", "conversations": turns}]
+    files = {
+        "sharegpt.json": json.dumps(sharegpt, indent=2),
+        "messages.jsonl": json.dumps({"messages": CHAT}) + "\n",
+        "ultrachat_200k.jsonl": json.dumps({"prompt": "Hi", "prompt_id": "x", "messages": CHAT[1:]}) + "\n",
+        "ultrachat.jsonl": json.dumps({"id": "0", "data": [m["content"] for m in CHAT[1:]]}) + "\n",
+    }
+    for name, text in files.items():
+        convs, report = read(write(tmp_path / name, text))
+        assert convs == [CHAT if "ultrachat" not in name else CHAT[1:]], name
+        assert (report.records, report.conversations, report.skipped, report.truncated) == (1, 1, [], False)
+    # Forcing the wrong layout makes every record bad.
+    _, report = read(tmp_path / "messages.jsonl", format="ultrachat")
+    assert report.conversations == 0 and len(report.skipped) == 1
+
+
+def test_leading_assistant_and_trailing_user_turns_are_dropped(tmp_path):
+    turns = [{"from": "gpt", "value": "...rest of an answer"}] + [
+        {"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]} for m in CHAT[1:]
+    ] + [{"from": "human", "value": "thanks"}]
+    convs, _ = read(write(tmp_path / "a.json", json.dumps([{"conversations": turns}])))
+    assert convs == [CHAT[1:]]
+
+
+BAD_LINES = [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}, "empty"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}]}, "non-string"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant"),
+    ({"messages": CHAT[1:3] + CHAT[2:3]}, "out of order"),
+]
+
+
+def test_bad_records_are_skipped_and_reported(tmp_path):
+    lines = [json.dumps({"messages": CHAT})] + [json.dumps(r) for r, _ in BAD_LINES] + ["{not json", ""]
+    lines.append(json.dumps({"messages": CHAT}))
+    path = write(tmp_path / "mixed.jsonl", "\n".join(lines) + "\n")
+    convs, report = read(path)
+    assert convs == [CHAT, CHAT]
+    reasons = [reason for _, reason in BAD_LINES] + ["malformed JSON"]
+    assert [place for place, _ in report.skipped] == [f"line {n}" for n in range(2, 8)]
+    assert all(want in got for want, (_, got) in zip(reasons, report.skipped, strict=True))
+    assert "mixed.jsonl" in report.summary() and "skipped 6" in report.summary()
+
+    with pytest.raises(ConversationError, match=r"mixed\.jsonl: line 2: unknown role"):
+        read(path, strict=True)
+
+
+def test_bad_record_in_json_array_names_its_index(tmp_path):
+    records = [{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}] * 2
+    records.insert(1, {"conversations": [{"from": "human", "value": "x"}, {"from": "alien", "value": "y"}]})
+    path = write(tmp_path / "a.json", json.dumps(records))
+    convs, report = read(path)
+    assert len(convs) == 2 and report.skipped[0][0] == "record 1"
+    with pytest.raises(ConversationError, match=r"a\.json: record 1: unknown role 'alien'"):
+        read(path, strict=True)
+
+
+def test_truncated_json_array(tmp_path):
+    record = {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}
+    text = json.dumps([record] * 3)
+    convs, report = read(write(tmp_path / "cut.json", text[: text.rindex("gpt")]))
+    assert len(convs) == 2 and report.truncated and "file ended mid-record" in report.summary()
+    with pytest.raises(ConversationError, match="record 2: file ended mid-record"):
+        read(tmp_path / "cut.json", strict=True)
+
+
+def test_packaged_sharegpt_is_truncated():
+    convs, report = read(asset_path("sharegpt"))
+    assert report.truncated and report.records == 17671  # the asset's documented count
+    assert len(convs) == report.conversations > 17000
+    assert all(m["role"] in ("system", "user", "assistant") and m["content"].strip() for c in convs for m in c)

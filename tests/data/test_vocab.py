@@ -1,0 +1,41 @@
+"""Token counts cover loss-masked tokens only; the CLI writes a loadable FR-Spec map."""
+
+import json
+
+import torch
+from datasets import Dataset
+
+from eyas.common.hot_vocab import HotVocab
+from eyas.data.vocab import draft_vocab, main, token_counts
+from tests.conftest import hf_config_dict
+
+
+def test_counts_only_masked_tokens():
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 3], [3, 4, 0]], "loss_mask": [[0, 1, 1, 1], [1, 0, 1]]})
+    counts = token_counts(ds, vocab_size=6)
+    assert counts.tolist() == [1, 0, 1, 3, 0, 0]
+    assert draft_vocab(counts, 2).hot_ids.tolist() == [0, 3]  # ties go to the lower id; EAGLE-3 order by id
+    assert draft_vocab(counts, 2, order="by_frequency").hot_ids.tolist() == [3, 0]
+    assert draft_vocab(counts).draft_vocab_size == 6  # the default size exceeds the vocab: all of it
+
+
+def test_cli_writes_token_map(smollm2, tmp_path, capsys):
+    # A target directory holding the real tokenizer and a config: loads in well under a second, unlike the GGUF.
+    target = tmp_path / "target"
+    smollm2.save_pretrained(target)
+    (target / "config.json").write_text(json.dumps(hf_config_dict("llama", vocab_size=len(smollm2))))
+    data = tmp_path / "chats.jsonl"
+    chat = [{"role": "user", "content": "Count: one, two."}, {"role": "assistant", "content": "one one one two"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    output = tmp_path / "freq_4.pt"
+
+    main(["--target", str(target), "--data", str(data), "--size", "4", "--output", str(output),
+          "--cache-dir", str(tmp_path / "cache")])
+
+    hot = HotVocab.load_token_map(output, len(smollm2))
+    assert hot.draft_vocab_size == 4
+    # Most frequent first: " one" (twice in the answer) leads.
+    assert smollm2.decode(hot.hot_ids[:1]) == " one"
+    assert set(hot.hot_ids.tolist()) <= set(smollm2("one one one two<|im_end|>").input_ids)
+    assert isinstance(torch.load(output, weights_only=True), list)
+    assert "wrote" in capsys.readouterr().out
