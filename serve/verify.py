@@ -1,0 +1,153 @@
+"""Verification of a draft tree against one target pass: which drafted nodes to accept, plus the
+bonus token the target emits after the last accepted one.
+
+Tree layout (shared with `tree.py`), per request, N nodes padded across the batch:
+  tokens     [B, N] long  node 0 = the root (the last token already in the sequence), 1.. = drafts
+  parents    [B, N] long  parents[:, 0] = -1; a parent's index is below its child's; siblings best first
+  logits     [B, N, V]    row j = the target's next-token logits after the path root -> ... -> j
+  node_valid [B, N] bool  False for padding; padded nodes are never accepted
+
+Both verifiers return (accepted, num_accepted, bonus):
+  accepted     [B, N] long  node indices of the accepted path, ROOT INCLUDED at column 0, then the
+                            accepted drafts in depth order, padded with -1; accepted[b, :num_accepted[b] + 1]
+                            is the path whose KV entries the engine keeps.
+  num_accepted [B]    long  accepted DRAFT nodes (root excluded): the step emits num_accepted + 1 tokens,
+                            tokens[b, accepted[b, 1:num_accepted[b] + 1]] followed by bonus[b].
+  bonus        [B]    long  the target's token after the last accepted node; it is the next step's root.
+
+Worked example (greedy): tokens [5, 2, 7, 1], parents [-1, 0, 1, 2], argmax per node [2, 7, 3, 0]:
+the root predicts 2 = node 1, node 1 predicts 7 = node 2, node 2 predicts 3 but its child holds 1, so
+accepted [0, 1, 2, -1], num_accepted 2, bonus 3; the step emits 2, 7, 3.
+
+The loops below run over tree depth / sibling tests (at most N - 1 iterations), never over the
+vocabulary; each iteration is a handful of batched ops. A fused kernel (one thread block per request
+walking the tree, as SGLang does) would replace them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .sampling import SamplingParams, target_probs
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+def verify_greedy(
+    tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, node_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Longest root path whose every node is the target's argmax after its parent, plus the argmax
+    after its last node. Among siblings holding the same token, the first (best-ranked) is taken."""
+    B, N = tokens.shape
+    rows = torch.arange(B, device=tokens.device)
+    target = logits.argmax(-1)  # [B, N]: the target's token after each node
+    # matches[b, j]: node j is exactly what the target emits after j's parent.
+    matches = node_valid & (parents >= 0) & (tokens == target.gather(1, parents.clamp(min=0)))
+    accepted = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
+    accepted[:, 0] = 0
+    cur = torch.zeros(B, dtype=torch.long, device=tokens.device)  # [B] last accepted node
+    num_accepted = torch.zeros_like(cur)
+    for depth in range(1, N):  # a node at depth d has index >= d, so N - 1 steps suffice
+        nxt = _first_true(matches & (parents == cur[:, None]))  # [B], -1 where no child matches
+        found = nxt >= 0
+        if not found.any():  # host sync; a kernel would not need it
+            break
+        accepted[:, depth] = nxt  # rows that stopped earlier keep finding nothing: -1
+        cur = torch.where(found, nxt, cur)
+        num_accepted += found
+    return accepted, num_accepted, target[rows, cur]
+
+
+def verify_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    node_valid: torch.Tensor,
+    params: SamplingParams | Sequence[SamplingParams],
+    generator: Generators = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs).
+
+    At the current node with target distribution p (`target_probs`), try its children in rank order.
+    q is what remains of p (rejected siblings zeroed, not renormalised). Child c is accepted with
+    probability q(c) / sum(q); on acceptance move to c with q = p_c; on rejection set q(c) = 0 and try
+    the next sibling. When no child is left, the bonus token is sampled from q / sum(q).
+
+    Why the output is distributed exactly as the target's own sampling: at one node let the children
+    hold distinct tokens c_1..c_k and R_i = 1 - sum_{j<i} p(c_j) the mass left before testing c_i (R_1 = 1).
+    c_i is reached with probability prod_{j<i} (1 - p(c_j) / R_j) = prod_{j<i} R_{j+1} / R_j = R_i, so it is
+    emitted with probability R_i * p(c_i) / R_i = p(c_i). A token x outside the children is emitted as the
+    bonus with probability R_{k+1} * p(x) / R_{k+1} = p(x). So the next emitted token is exactly p-distributed
+    (a sibling repeating an earlier token has q = 0 there and is never accepted, which keeps this true).
+    If it is a child, the walk continues from that child, whose logits are the target's given the longer
+    prefix, with fresh independent coins; if it is the bonus, the next step starts from it. By the chain
+    rule the emitted sequence is distributed as the target sampling token by token.
+
+    params: one SamplingParams or one per request. generator: one torch.Generator for the batch, or one
+    per request (None entries use the default generator); it must live on the tensors' device. For
+    per-request seeds, build each request's generator once with `sampling.make_generator` and keep it.
+    """
+    B, N = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(B, device=dev)
+    probs = target_probs(logits, params)  # [B, N, V] float32
+    first_child, next_sibling = _child_links(parents, node_valid)  # [B, N] each
+    # One coin per node (each node is tested at most once, as a child) and one for the bonus.
+    coins = _uniforms(B, N + 1, generator, dev)  # [B, N + 1]
+
+    accepted = torch.full((B, N), -1, dtype=torch.long, device=dev)
+    accepted[:, 0] = 0
+    num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    q = probs[:, 0].clone()  # [B, V] remaining target distribution at the current node
+    cand = first_child[:, 0]  # [B] node under test, -1 when the current node has no child left
+    for _ in range(N - 1):  # every iteration tests a new node per live row
+        live = cand >= 0
+        if not live.any():  # host sync; a kernel would not need it
+            break
+        c = cand.clamp(min=0)
+        tok = tokens[rows, c]  # [B]
+        q_tok = q[rows, tok]  # [B]
+        # q keeps positive mass: a rejection needs q_tok < sum(q), so some other token stays > 0.
+        accept = live & (coins[rows, c] < q_tok / q.sum(-1))
+        reject = live & ~accept
+        q[rows, tok] = torch.where(reject, 0.0, q_tok)
+        num_accepted += accept
+        accepted[rows, num_accepted] = torch.where(accept, c, accepted[rows, num_accepted])
+        q = torch.where(accept[:, None], probs[rows, c], q)
+        cand = torch.where(accept, first_child[rows, c], torch.where(reject, next_sibling[rows, c], cand))
+    return accepted, num_accepted, _sample(q, coins[:, N])
+
+
+def _first_true(mask: torch.Tensor) -> torch.Tensor:
+    """[..., N] bool -> [...] index of the first True, -1 where none (argmax returns the first max)."""
+    return torch.where(mask.any(-1), mask.long().argmax(-1), -1)
+
+
+def _child_links(parents: torch.Tensor, node_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """first_child [B, N] and next_sibling [B, N] (node indices, -1 for none), valid nodes only. Siblings
+    keep index order, which is the draft's rank order. O(N^2) masks: N is at most a few dozen."""
+    idx = torch.arange(parents.shape[1], device=parents.device)
+    valid_k = node_valid[:, None, :]  # [B, 1, N] over the candidate node k
+    is_child = valid_k & (parents[:, None, :] == idx[:, None])  # [B, i, k]: k is a child of i
+    later_sibling = valid_k & (parents[:, None, :] == parents[:, :, None]) & (idx > idx[:, None])  # [B, j, k]
+    return _first_true(is_child), _first_true(later_sibling)
+
+
+def _uniforms(n_rows: int, n: int, generator: Generators, device: torch.device) -> torch.Tensor:
+    """[n_rows, n] uniforms in [0, 1) from one shared generator or one per row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(n_rows, n, generator=generator, device=device)
+    if len(generator) != n_rows:
+        raise ValueError(f"got {len(generator)} generators for {n_rows} requests")
+    return torch.stack([torch.rand(n, generator=g, device=device) for g in generator])
+
+
+def _sample(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from unnormalised q [B, V] (positive mass) with uniforms u [B] -> tokens [B]."""
+    cdf = q.cumsum(-1)  # [B, V]
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # first cdf > u * mass
+    # Rounding can put u * mass at the total; fall back to the last token with mass (never a zeroed one).
+    last = torch.where(q > 0, torch.arange(q.shape[-1], device=q.device), 0).amax(-1)
+    return torch.minimum(tok, last)

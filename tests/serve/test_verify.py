@@ -1,0 +1,250 @@
+"""Tree verification: golden greedy walks, and sampling that is distribution-exact (chi-square tests
+against the target's own sampling, with negative controls showing the test can fail)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import eyas.serve.verify as verify
+from eyas.serve.sampling import SamplingParams, make_generator, target_probs
+from eyas.serve.verify import verify_greedy, verify_sampling
+
+V = 6  # tiny vocab for the statistical tests
+DRAWS = 20_000
+P_MIN = 1e-3
+
+
+def argmax_logits(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
+    """[N, vocab] logits whose row j has its unique maximum at argmaxes[j]."""
+    return torch.nn.functional.one_hot(torch.tensor(argmaxes), vocab).float() * 3.0
+
+
+def run_greedy(tokens, parents, argmaxes, valid=None):
+    tokens, parents = torch.tensor(tokens), torch.tensor(parents)
+    logits = torch.stack([argmax_logits(a) for a in argmaxes])
+    valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else torch.tensor(valid)
+    acc, n, bonus = verify_greedy(tokens, parents, logits, valid)
+    return acc.tolist(), n.tolist(), bonus.tolist()
+
+
+# --- greedy: golden walks ------------------------------------------------------------------------
+
+
+def test_greedy_chain():
+    # root predicts 2 = node 1, node 1 predicts 7 = node 2, node 2 predicts 3 != node 3's 1.
+    assert run_greedy([[5, 2, 7, 1]], [[-1, 0, 1, 2]], [[2, 7, 3, 0]]) == ([[0, 1, 2, -1]], [2], [3])
+
+
+def test_greedy_branching():
+    tokens = [[0, 3, 4, 5, 6, 6, 2]] * 4
+    parents = [[-1, 0, 0, 0, 1, 2, 2]] * 4
+    argmaxes = [
+        [4, 6, 2, 0, 1, 1, 7],  # root -> node 2 (2nd child) -> node 6 (its 2nd child); bonus 7
+        [4, 6, 6, 0, 1, 3, 7],  # root -> node 2 -> node 5 (token 6 under node 2, not node 4 under node 1)
+        [1, 6, 6, 0, 1, 3, 7],  # root predicts 1: no child matches; bonus 1
+        [5, 6, 6, 2, 1, 3, 7],  # root -> node 3 (a leaf); bonus 2
+    ]
+    acc, n, bonus = run_greedy(tokens, parents, argmaxes)
+    assert acc == [[0, 2, 6, -1, -1, -1, -1], [0, 2, 5, -1, -1, -1, -1], [0] + [-1] * 6, [0, 3] + [-1] * 5]
+    assert n == [2, 2, 0, 1]
+    assert bonus == [7, 3, 1, 2]
+
+
+def test_greedy_duplicate_siblings_take_the_first():
+    assert run_greedy([[0, 4, 4]], [[-1, 0, 0]], [[4, 2, 3]]) == ([[0, 1, -1]], [1], [2])
+
+
+def test_greedy_root_only():
+    assert run_greedy([[3]], [[-1]], [[5]]) == ([[0]], [0], [5])
+
+
+def test_greedy_padded_batch():
+    tokens = [[5, 2, 7, 1], [3, 6, 6, 6]]
+    parents = [[-1, 0, 1, 2], [-1, 0, 0, 1]]
+    argmaxes = [[2, 7, 1, 4], [6, 6, 0, 6]]
+    # Row 1: node 1 (and its child node 3) are padding although their tokens match the target.
+    valid = [[True] * 4, [True, False, True, False]]
+    acc, n, bonus = run_greedy(tokens, parents, argmaxes, valid)
+    assert acc == [[0, 1, 2, 3], [0, 2, -1, -1]]
+    assert n == [3, 1]
+    assert bonus == [4, 0]
+
+
+# --- sampling: exactness against the target's own sampling ---------------------------------------
+
+
+def make_tree(parents: list[int], ranks: list[int], seed: int = 0):
+    """A fixed target over a tiny vocab and a draft tree in it. Node j's token is the ranks[j]-th most
+    likely token after its parent (0 = likely, V - 1 = unlikely; distinct among siblings). The target's
+    logits after a path are those of the node ending it; after (root, a) with no such node, `off`.
+    Returns tokens [N], parents [N], logits [N, V], off [V]."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(parents), V, generator=g) * 1.5
+    off = torch.randn(V, generator=g) * 1.5
+    tokens = [0]
+    for j in range(1, len(parents)):
+        tokens.append(int(logits[parents[j]].argsort(descending=True)[ranks[j]]))
+    return torch.tensor(tokens), torch.tensor(parents), logits, off
+
+
+CHAIN = make_tree([-1, 0, 1, 2], [0, 1, 0, 3], seed=1)
+# Root with 3 children (likely, unlikely, middling), each with 2 children.
+TREE = make_tree([-1, 0, 0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 4, 2, 1, 3, 0, 5, 1, 2], seed=2)
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.5, top_k=3),
+    SamplingParams(top_p=0.7),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+]
+
+
+def target_first_two(tree, params):
+    """Exact target distributions: first token p1 [V] and second given first, cond [V (first), V]."""
+    tokens, parents, logits, off = tree
+    after = off.expand(V, V).clone()  # [a, V]: logits after (root, a)
+    for j in torch.nonzero(parents == 0).flatten():
+        after[tokens[j]] = logits[j]
+    return target_probs(logits[0], params).double(), target_probs(after, params).double()
+
+
+def speculative_first_two(tree, params, seed=0):
+    """First two emitted tokens of DRAWS independent verifications of the same tree [DRAWS] each. When a
+    step emits only one token, the second comes from the target's next step, sampled here directly."""
+    tokens, parents, logits, off = tree
+    N = len(tokens)
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.ones(DRAWS, N, dtype=torch.bool)
+    acc, n, bonus = verify_sampling(
+        tokens.expand(DRAWS, N), parents.expand(DRAWS, N), logits.expand(DRAWS, N, V), valid, params, g
+    )
+    emitted = torch.cat([tokens[acc[:, 1:].clamp(min=0)], bonus[:, None]], 1)  # [DRAWS, N]
+    emitted.scatter_(1, n[:, None], bonus[:, None])  # the bonus right after the accepted drafts
+    first, second = emitted[:, 0], emitted[:, 1]
+    _, cond = target_first_two(tree, params)
+    next_step = torch.multinomial(cond[first], 1, generator=g)[:, 0]
+    return first, torch.where(n == 0, next_step, second)
+
+
+def chi2_pvalue(samples: torch.Tensor, expected: torch.Tensor) -> float:
+    """Chi-square goodness of fit of integer samples to probabilities `expected` (flattened). Outcomes
+    of expected count < 5 are pooled; an outcome of probability 0 that occurs gives p = 0."""
+    expected = expected.flatten()
+    counts = torch.bincount(samples, minlength=len(expected)).double()
+    if counts[expected == 0].sum() > 0:
+        return 0.0
+    exp = expected / expected.sum() * len(samples)
+    big = exp >= 5
+    obs_bins, exp_bins = [*counts[big].tolist()], [*exp[big].tolist()]
+    if (~big & (exp > 0)).any():
+        obs_bins.append(counts[~big].sum().item())
+        exp_bins.append(exp[~big].sum().item())
+    return float(chisquare(obs_bins, exp_bins).pvalue)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
+def test_sampling_is_exact(tree, params):
+    p1, cond = target_first_two(tree, params)
+    first, second = speculative_first_two(tree, params)
+    assert chi2_pvalue(first, p1) > P_MIN
+    assert chi2_pvalue(first * V + second, p1[:, None] * cond) > P_MIN  # joint over V * V outcomes
+
+
+@pytest.mark.parametrize(
+    "coins",
+    [
+        lambda u: torch.zeros_like(u),  # accept every child with p > 0
+        lambda u: u.sqrt(),  # accept with probability ratio**2 instead of ratio
+    ],
+    ids=["accept-any", "biased-coin"],
+)
+def test_wrong_verifier_fails_the_test(monkeypatch, coins):
+    uniforms = verify._uniforms
+    monkeypatch.setattr(verify, "_uniforms", lambda *args: coins(uniforms(*args)))
+    p1, _ = target_first_two(TREE, PARAMS[0])
+    first, _ = speculative_first_two(TREE, PARAMS[0])
+    assert chi2_pvalue(first, p1) < P_MIN
+
+
+# --- sampling: batching, padding, seeds ------------------------------------------------------------
+
+
+def random_trees(B=64, N=12, vocab=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(j, (1,), generator=g)) for j in range(1, N)])
+                           for _ in range(B)])
+    tokens = torch.randint(vocab, (B, N), generator=g)
+    logits = torch.randn(B, N, vocab, generator=g)
+    # Make some drafts the argmax after their parent so that greedy accepts deep paths.
+    hit = torch.rand(B, N, generator=g) < 0.6
+    tokens = torch.where(hit, logits.argmax(-1).gather(1, parents.clamp(min=0)), tokens)
+    valid = torch.arange(N) < torch.randint(1, N + 1, (B, 1), generator=g)  # padded tails
+    return tokens, parents, logits, valid
+
+
+def test_temperature_zero_sampling_equals_greedy():
+    tokens, parents, logits, valid = random_trees()
+    greedy = verify_greedy(tokens, parents, logits, valid)
+    sampled = verify_sampling(tokens, parents, logits, valid, SamplingParams(temperature=0))
+    assert greedy[1].float().mean() > 1  # the trees do get accepted deeply
+    for a, b in zip(greedy, sampled, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mixed_params_and_per_request_generators():
+    tokens, parents, logits, valid = random_trees()
+    B = len(tokens)
+    params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(top_k=3, seed=i) for i in range(B)]
+
+    def run():
+        gens = [make_generator(p, "cpu") for p in params]
+        return verify_sampling(tokens, parents, logits, valid, params, gens)
+
+    first, again = run(), run()
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)  # per-request seeds reproduce
+    greedy = verify_greedy(tokens, parents, logits, valid)
+    for a, b in zip(first, greedy, strict=True):
+        assert torch.equal(a[1::2], b[1::2])  # greedy rows of a mixed batch are exactly greedy
+
+
+def test_sampling_never_accepts_padding():
+    tokens, parents, logits, valid = random_trees(B=512)
+    acc, n, _ = verify_sampling(tokens, parents, logits, valid, SamplingParams(), torch.Generator().manual_seed(0))
+    path = acc >= 0
+    assert torch.equal(path.sum(1), n + 1)
+    assert valid.gather(1, acc.clamp(min=0))[path].all()
+    # Each accepted node is a child of the previous one, with parents before children.
+    prev, node = acc[:, :-1], acc[:, 1:]
+    step = node >= 0
+    assert torch.equal(parents.gather(1, node.clamp(min=0))[step], prev[step])
+
+
+def test_params_validation():
+    for bad, field in [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(seed="1"), "seed"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    SamplingParams(temperature=0, top_k=-1, top_p=1.0, seed=7)
+
+
+def test_target_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    full = logits.softmax(-1)
+    k2 = target_probs(logits, SamplingParams(top_k=2))
+    assert torch.allclose(k2[0], torch.tensor([full[0, 0], full[0, 1], 0, 0]) / full[0, :2].sum())
+    # top_p = 0.7: keep the shortest prefix by probability with mass >= 0.7 (row 0: 0.644 + 0.237).
+    p = target_probs(logits, SamplingParams(top_p=0.7))
+    assert torch.equal(p[0] > 0, torch.tensor([True, True, False, False]))
+    assert torch.allclose(p.sum(-1), torch.ones(2))
+    mixed = target_probs(logits, [SamplingParams(temperature=0), SamplingParams(temperature=2.0)])
+    assert torch.equal(mixed[0], torch.tensor([1.0, 0, 0, 0]))
+    assert torch.allclose(mixed[1], (logits[1] / 2).softmax(-1))
