@@ -110,12 +110,27 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(EagleLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self.hot_vocab = hot_vocab
+        self.token_map = hot_vocab  # an FR-Spec map restricting the lm_head, or None (the whole vocabulary)
         self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+
+    @property
+    def kv_layers(self) -> int:
+        return len(self.layers)
+
+    def target_layers(self, target) -> tuple[int, ...]:
+        """EAGLE-1/2 read the target's final hidden state, no intermediate layers."""
+        return ()
+
+    @property
+    def hot_vocab(self) -> HotVocab:
+        """Draft index -> target id: the token map, or the identity over the whole vocabulary."""
+        if self.token_map is not None:
+            return self.token_map
+        return HotVocab(torch.arange(self.config.vocab_size), self.config.vocab_size)
 
     def attach_lm_head(self, target_lm_head: Tensor) -> None:
         """Takes the target's lm_head [vocab, H], restricted to the hot vocabulary when there is one."""
-        self.lm_head_weight = target_lm_head if self.hot_vocab is None else target_lm_head[self.hot_vocab.hot_ids]
+        self.lm_head_weight = target_lm_head if self.token_map is None else target_lm_head[self.token_map.hot_ids]
 
     def project_target(self, target: TargetOutput) -> Tensor:
         """First-step features: the target's final normed hidden state [B, T, H]."""

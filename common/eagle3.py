@@ -172,6 +172,12 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
+    kv_layers = 1  # attention layers whose KV the server caches
+
+    def target_layers(self, target: TargetConfig) -> tuple[int, ...]:
+        """The target layers whose entering streams `project_target` fuses."""
+        return self.config.aux_layers_for(target)
+
     @property
     def hot_vocab(self) -> HotVocab:
         return HotVocab.from_d2t(self.d2t, self.config.vocab_size)

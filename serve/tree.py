@@ -153,3 +153,15 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     for _ in range(max_depth):
         mask = eye | (mask.gather(1, index) & has_parent)
     return mask
+
+
+def root_only(roots: Tensor) -> DraftTree:
+    """roots [B] -> the one-node trees of plain decoding: verifying one samples the next token."""
+    B, device = roots.shape[0], roots.device
+    return DraftTree(
+        tokens=roots[:, None],
+        parents=torch.full((B, 1), -1, dtype=torch.long, device=device),
+        depth=torch.zeros(B, 1, dtype=torch.long, device=device),
+        mask=torch.ones(B, 1, 1, dtype=torch.bool, device=device),
+        scores=torch.zeros(B, 1, device=device),
+    )

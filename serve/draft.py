@@ -1,0 +1,114 @@
+"""Running the draft head inside the engine: extending its KV with accepted tokens, and drafting a tree.
+
+Alignment (the same as training's `train/ttt.py`): draft position p reads the target's state at
+position p and the token at position p + 1. After a verification the target has cached positions
+0..n-1 and holds the bonus token (the next root) for position n; the draft has then been extended to
+position n-1, and its output there gives the root's candidate children. A frontier node at depth d
+(its token at target position n + d) runs at draft position n - 1 + d, attending to the draft's prefix
+and the drafted ancestors of this step's tree.
+
+Shapes: B requests, k = topk, H = draft hidden, Vd = draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from eyas.common.head_checkpoint import DraftHead
+from eyas.common.target import TargetModel, TargetOutput
+
+from .attention.torch_sdpa import TorchPagedAttention
+from .kv_cache import KVPool
+from .tree import DraftTree, TreeBuilder
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2 tree settings: `num_steps` draft passes (tree depth), `topk` branching, `num_draft_tokens`
+    nodes verified (root included). topk = 1 gives a chain; num_draft_tokens must then be num_steps + 1."""
+
+    num_steps: int = 5
+    topk: int = 4
+    num_draft_tokens: int = 8
+
+    def __post_init__(self):
+        if min(self.num_steps, self.topk) < 1 or self.num_draft_tokens < 2:
+            raise ValueError(f"tree needs num_steps, topk >= 1 and num_draft_tokens >= 2, got {self}")
+        most = 1 + self.topk + (self.num_steps - 1) * self.topk**2
+        if self.num_draft_tokens > most:
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} exceeds the {most} candidates of {self}")
+
+    @property
+    def scratch(self) -> int:
+        """Draft KV slots a step needs beyond the prefix: one per drafted frontier node."""
+        return self.topk * (self.num_steps - 1)
+
+
+@dataclass
+class DraftState:
+    """Per request, after an extension: the draft's output at the last position."""
+
+    hidden: Tensor  # [H] the next step's hidden input for the root's children
+    logp: Tensor  # [Vd] draft log-probs of the root's children
+
+
+class Drafter:
+    def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, shape: TreeShape):
+        self.head, self.target, self.pool, self.shape = head, target, pool, shape
+        self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
+
+    def extend(
+        self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, slots: Tensor
+    ) -> list[DraftState]:
+        """Feeds the draft the target's states at positions start .. start+len-1 of each request.
+
+        target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding);
+        next_tokens [B, T]: the token at position p + 1 for each p; start, lengths [B];
+        slots [B, S] the request's slots for positions 0 .. S-1 (S ≥ max(start + T)).
+        Returns each request's state at its last extended position.
+        """
+        B, T = next_tokens.shape
+        device = next_tokens.device
+        offs = torch.arange(T, device=device)
+        positions = start[:, None] + offs  # [B, T]
+        S = slots.shape[1]
+        new_slots = slots.gather(1, positions.clamp(max=S - 1))
+        mask = torch.arange(S, device=device)[None, None] <= positions[:, :, None]  # [B, T, S] causal
+        attn = TorchPagedAttention(self.pool, new_slots, slots, mask)
+        embeds = self.target.embed_tokens(next_tokens)
+        out = self.head.step(embeds, self.head.project_target(target_out), positions, attn)  # [B, T, H]
+        last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
+        hidden = out.gather(1, last)[:, 0]  # [B, H]
+        logp = self.head.logits(hidden).float().log_softmax(-1)  # [B, Vd]
+        return [DraftState(hidden[b], logp[b]) for b in range(B)]
+
+    def draft_tree(self, roots: Tensor, states: list[DraftState], lengths: Tensor, slots: Tensor) -> DraftTree:
+        """roots [B] target ids at positions `lengths` (n); slots [B, S] with S ≥ n + scratch.
+        Returns the tree to verify, tokens as target ids."""
+        k = self.shape.topk
+        B, device = len(roots), roots.device
+        builder = TreeBuilder(roots, k)
+        tokens = builder.first(torch.stack([s.logp for s in states]))  # [B, k] draft indices
+        hidden = torch.stack([s.hidden for s in states])[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
+        S = slots.shape[1]
+        prefix = torch.arange(S, device=device)[None, None] < lengths[:, None, None]  # [B, 1, S]
+        for depth in range(1, self.shape.num_steps):
+            # Drafted node j (in drafting order) keeps its KV in the slot of position n + j.
+            P = depth * k
+            columns = lengths[:, None] + torch.arange(P, device=device)  # [B, P] positions of the drafted nodes
+            mask = prefix.expand(B, k, S).clone()  # [B, k, S]: the prefix, then the frontier's drafted ancestors
+            mask.scatter_(2, columns[:, None].expand(B, k, P), builder.frontier_mask())
+            attn = TorchPagedAttention(self.pool, slots.gather(1, columns[:, -k:]), slots, mask)
+            positions = (lengths - 1 + depth)[:, None].expand(B, k)
+            embeds = self.target.embed_tokens(self.hot.to_target(tokens))
+            out = self.head.step(embeds, hidden, positions, attn)  # [B, k, H]
+            tokens = builder.extend(self.head.logits(out).float().log_softmax(-1))
+            rows = builder.frontier_parent_rows[:, :, None].expand(-1, -1, out.shape[-1])
+            hidden = out.gather(1, rows)
+        tree = builder.finalize(self.shape.num_draft_tokens)
+        tree.tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
+        return tree
+

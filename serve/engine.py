@@ -1,0 +1,332 @@
+"""The serving engine: continuous batching over a paged KV cache, with tree speculative decoding.
+
+    engine = Engine(target, head, EngineConfig(tree=TreeShape(5, 4, 8)))
+    request = engine.add_request(prompt_ids, SamplingParams(temperature=0), max_new_tokens=128, stop_ids={2})
+    while engine.has_work():
+        engine.step()
+    request.output   # token ids
+
+Each `step` either prefills one chunk of one admitted request or runs one decode step for every running
+request. A decode step drafts a tree per request (`draft.py`), verifies all its nodes in one target pass
+under a tree mask, accepts a path (`verify.py`), moves the accepted nodes' KV into place, and extends the
+draft with the accepted tokens' target states. Without a head (or with speculation off) the tree is the
+root alone, so the same code decodes one token a step: the baseline every comparison uses.
+
+Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
+lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
+preempts the newest request (its KV is freed and recomputed on readmission) instead of failing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from eyas.common.head_checkpoint import DraftHead
+from eyas.common.target import TargetModel, TargetOutput
+
+from .attention.torch_sdpa import TorchPagedAttention
+from .draft import Drafter, DraftState, TreeShape
+from .kv_cache import KVPool, OutOfBlocks
+from .sampling import SamplingParams, make_generator
+from .tree import DraftTree, root_only
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    speculative: bool = True  # False: one token per step even when a head is loaded
+    tree: TreeShape = field(default_factory=TreeShape)
+    block_size: int = 16
+    num_blocks: int | None = None  # None: `mem_fraction` of free GPU memory, or `cpu_kv_tokens` on CPU
+    mem_fraction: float = 0.85
+    cpu_kv_tokens: int = 65536
+    max_batch_size: int = 64
+    max_prefill_tokens: int = 2048  # chunk size of prefills
+
+
+@dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    # Speculative statistics: one entry per verification, the draft tokens it accepted.
+    accepted: list[int] = field(default_factory=list)
+    # Engine state.
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # positions whose target KV is in the pool
+    draft: DraftState | None = None
+    generator: torch.Generator | None = None
+    emitted: int = 0  # len(output) already handed out by `take_new_tokens`
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions to prefill: the whole prompt, or (after a preemption) all but the pending root."""
+        return len(self.prompt) if not self.output else len(self.tokens) - 1
+
+    def take_new_tokens(self) -> list[int]:
+        new = self.output[self.emitted :]
+        self.emitted = len(self.output)
+        return new
+
+
+class Engine:
+    def __init__(self, target: TargetModel, head: DraftHead | None = None, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.target = target
+        self.device = target.embed_tokens.weight.device
+        dtype = target.embed_tokens.weight.dtype
+        tcfg = target.config
+        self.speculative = head is not None and self.config.speculative
+        self.tree = self.config.tree if self.speculative else None
+        # Positions a decode step may write beyond the cached ones: the tree (or the root), the draft's scratch.
+        self.reserve = 1 + (max(self.tree.num_draft_tokens, self.tree.scratch) if self.tree else 1)
+        bs = self.config.block_size
+        num_blocks = self.config.num_blocks or self._auto_blocks(head, dtype)
+        self.pool = KVPool(tcfg.num_hidden_layers, num_blocks, bs, tcfg.num_key_value_heads, tcfg.head_dim,
+                           dtype, self.device)
+        self.aux_layers: tuple[int, ...] = ()
+        self.drafter = None
+        if self.speculative:
+            hc = head.config
+            draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
+                                self.device)
+            draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
+            self.drafter = Drafter(head, target, draft_pool, self.tree)
+            self.aux_layers = head.target_layers(tcfg)
+        # Positions a request may reach: the model's context, and no more than the whole pool.
+        self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, max_new_tokens: int, stop_ids=frozenset()
+    ) -> Request:
+        """Queues a request. Raises ValueError when it can never run (empty, or longer than the context)."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if len(prompt) + self.reserve > self.context_limit:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
+            )
+        request = Request(next(self._ids), list(prompt), params, max_new_tokens, frozenset(stop_ids))
+        request.generator = make_generator(params, self.device)
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Ends a request now and frees its blocks (a client that went away)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, stop_ids=()):
+        """Runs `prompts` to completion in one continuous batch; returns their requests (in order)."""
+        requests = [self.add_request(p, params, max_new_tokens, stop_ids) for p in prompts]
+        while self.has_work():
+            self.step()
+        return requests
+
+    # ---- scheduling -----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self._admit()
+        pending = next((r for r in self.running if r.cached < r.prefill_target), None)
+        if pending is not None:
+            self._prefill_chunk(pending)
+        elif self.running:
+            self._decode(self._ensure_blocks())
+
+    def _blocks_for(self, positions: int) -> int:
+        return -(-positions // self.pool.block_size)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            request = self.waiting[0]
+            need = self._blocks_for(len(request.tokens) + self.reserve)
+            if need > self.pool.allocator.num_free:
+                break
+            self.waiting.popleft()
+            request.blocks = self.pool.allocator.allocate(need)
+            self.running.append(request)
+
+    def _ensure_blocks(self) -> list[Request]:
+        """Gives every running request blocks for this decode step, preempting the newest when short."""
+        while True:
+            short = [(r, self._blocks_for(r.cached + self.reserve) - len(r.blocks)) for r in self.running]
+            need = sum(max(n, 0) for _, n in short)
+            if need <= self.pool.allocator.num_free or len(self.running) == 1:
+                break
+            self._preempt(self.running[-1])
+        for request, n in short:
+            if n > 0:
+                request.blocks += self.pool.allocator.allocate(n)  # OutOfBlocks only if one request overflows
+        return list(self.running)  # a copy: finishing requests leave `self.running` during the step
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.allocator.free(request.blocks)
+        request.blocks, request.cached, request.draft = [], 0, None
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.finish_reason is None:
+            request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        if request.blocks:
+            self.pool.allocator.free(request.blocks)
+            request.blocks = []
+
+    # ---- model passes ---------------------------------------------------------------------------
+
+    def _slot_table(self, requests: list[Request], width: int) -> Tensor:
+        """[B, width] slot of each position (positions past a request's blocks map to slot 0, never written)."""
+        rows = []
+        for r in requests:
+            n = min(width, len(r.blocks) * self.pool.block_size)
+            row = self.pool.slots(r.blocks, 0, n)
+            rows.append(torch.cat([row, row.new_zeros(width - n)]))
+        return torch.stack(rows).to(self.device)
+
+    @torch.no_grad()
+    def _prefill_chunk(self, request: Request) -> None:
+        start = request.cached
+        end = min(request.prefill_target, start + self.config.max_prefill_tokens)
+        tokens = torch.tensor(request.tokens[: end + 1], device=self.device)
+        slots = self._slot_table([request], end + 1)
+        positions = torch.arange(start, end, device=self.device)[None]
+        mask = torch.arange(end, device=self.device)[None, None] <= positions[:, :, None]  # [1, T, end]
+        attn = TorchPagedAttention(self.pool, slots[:, start:end], slots[:, :end], mask)
+        out = self.target(tokens[None, start:end], positions, attn, aux_layers=self.aux_layers)
+        request.cached = end
+        if end < request.prefill_target:
+            next_tokens = tokens[None, start + 1 : end + 1]
+        else:
+            if not request.output:  # the first token comes from the prompt's last position
+                logits = self.target.logits(out.hidden[:, -1:]).float()
+                _, _, first = self._verify([request], root_only(tokens[end - 1 : end]), logits)
+                self._emit(request, [int(first[0])])
+                if request.finished:
+                    return
+            next_tokens = torch.tensor(request.tokens[start + 1 : end + 1], device=self.device)[None]
+        if self.drafter is not None:
+            length = torch.tensor([end - start], device=self.device)
+            table = self._slot_table([request], end)
+            (request.draft,) = self.drafter.extend(out, next_tokens, torch.tensor([start], device=self.device),
+                                                   length, table)
+
+    def _verify(self, requests: list[Request], tree: DraftTree, logits: Tensor):
+        valid = torch.ones_like(tree.tokens, dtype=torch.bool)
+        if all(r.params.greedy for r in requests):
+            return verify_greedy(tree.tokens, tree.parents, logits, valid)
+        return verify_sampling(tree.tokens, tree.parents, logits, valid, [r.params for r in requests],
+                               [r.generator for r in requests])
+
+    @torch.no_grad()
+    def _decode(self, requests: list[Request]) -> None:
+        device = self.device
+        B = len(requests)
+        n = torch.tensor([r.cached for r in requests], device=device)  # [B]
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
+        width = int(n.max()) + self.reserve
+        slots = self._slot_table(requests, width)  # [B, width]
+        if self.drafter is not None:
+            tree = self.drafter.draft_tree(roots, [r.draft for r in requests], n, slots)
+        else:
+            tree = root_only(roots)
+        N = tree.tokens.shape[1]
+        columns = n[:, None] + torch.arange(N, device=device)  # [B, N] positions whose slots hold the nodes
+        mask = torch.arange(width, device=device)[None, None] < n[:, None, None]  # [B, 1, width] prefix
+        mask = mask.expand(B, N, width).clone()
+        mask.scatter_(2, columns[:, None].expand(B, N, N), tree.mask)
+        attn = TorchPagedAttention(self.pool, slots.gather(1, columns), slots, mask)
+        out = self.target(tree.tokens, n[:, None] + tree.depth, attn, aux_layers=self.aux_layers)
+        logits = self.target.logits(out.hidden).float()  # [B, N, V]
+        accepted, num_accepted, bonus = self._verify(requests, tree, logits)
+
+        # Keep the accepted path's KV: node accepted[j] moves from position n + accepted[j] to n + j.
+        path = accepted.clamp(min=0)  # [B, N]
+        moves = (accepted > 0) & (accepted != torch.arange(N, device=device))
+        if moves.any():
+            src = slots.gather(1, n[:, None] + path)[moves]
+            dst = slots.gather(1, columns)[moves]
+            for k, v in zip(self.pool.k, self.pool.v, strict=True):
+                k[dst], v[dst] = k[src], v[src]
+
+        if self.drafter is not None:
+            # The draft reads the target's states along the path and, at each node, the token after it.
+            T = int(num_accepted.max()) + 1
+            nodes = path[:, :T]  # [B, T]
+            lengths = num_accepted + 1
+            after = torch.cat([tree.tokens.gather(1, path[:, 1:T]), bonus[:, None]], dim=1)  # [B, T]
+            is_last = torch.arange(T, device=device)[None] == num_accepted[:, None]
+            next_tokens = torch.where(is_last, bonus[:, None], after)
+            states = self.drafter.extend(
+                TargetOutput(hidden=_rows(out.hidden, nodes), aux=None if out.aux is None else _rows(out.aux, nodes)),
+                next_tokens, n, lengths, slots,
+            )
+        accepted_host, counts, bonus_host = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
+        tokens_host = tree.tokens.tolist()
+        for b, request in enumerate(requests):
+            m = counts[b]
+            request.cached += m + 1
+            if self.drafter is not None:
+                request.draft = states[b]
+                request.accepted.append(m)
+            self._emit(request, [tokens_host[b][j] for j in accepted_host[b][1 : m + 1]] + [bonus_host[b]])
+
+    def _emit(self, request: Request, tokens: list[int]) -> None:
+        """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""
+        for token in tokens:
+            request.output.append(token)
+            if token in request.stop_ids:
+                return self._finish(request, "stop")
+            if len(request.output) >= request.max_new_tokens:
+                return self._finish(request, "length")
+        if request.cached + self.reserve + 1 > self.context_limit:
+            self._finish(request, "length")
+
+    def _auto_blocks(self, head: DraftHead | None, dtype: torch.dtype) -> int:
+        tcfg = self.target.config
+        per_token = 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * tcfg.head_dim
+        if head is not None and self.config.speculative:
+            per_token += 2 * head.kv_layers * head.config.num_key_value_heads * head.config.head_dim
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * self.config.mem_fraction) // (per_token * dtype.itemsize)
+        else:
+            tokens = self.config.cpu_kv_tokens
+        return max(tokens // self.config.block_size, 1)
+
+
+def _rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, N, D], index [B, T] -> [B, T, D]."""
+    return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+__all__ = ["Engine", "EngineConfig", "OutOfBlocks", "Request", "TreeShape"]

@@ -1,0 +1,140 @@
+"""The engine: speculative greedy output equals target-only greedy output token for token; blocks are
+returned; preemption and aborts never lose or corrupt a request."""
+
+import pytest
+import torch
+
+from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.hot_vocab import HotVocab
+from eyas.common.target import TargetModel
+from eyas.serve.engine import Engine, EngineConfig, TreeShape
+from eyas.serve.generate import greedy_tokens
+from eyas.serve.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+SHAPES = {"chain": TreeShape(4, 1, 5), "tree": TreeShape(3, 3, 8), "wide": TreeShape(4, 4, 16)}
+
+
+def random_head(target: TargetModel, draft_vocab: int = 200, seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab)).eval()
+    counts = torch.rand(target.config.vocab_size)
+    head.set_hot_vocab(HotVocab.from_counts(counts, draft_vocab))
+    return head
+
+
+def prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(L),), generator=g).tolist() for L in torch.randint(3, 40, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def target(hf_checkpoint):
+    return TargetModel.from_pretrained(hf_checkpoint("llama")[0])
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_speculative_greedy_equals_target_greedy(target, shape, batch):
+    ps = prompts(batch, target.config.vocab_size)
+    reference = [list(greedy_tokens(target, p, 24)) for p in ps]
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES[shape], block_size=4, num_blocks=256))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=24)
+    assert [r.output for r in requests] == reference
+    assert all(r.finish_reason == "length" for r in requests)
+    assert engine.pool.allocator.num_free == 256
+
+
+def test_speculation_off_is_plain_decoding(target):
+    ps = prompts(3, target.config.vocab_size, seed=1)
+    engine = Engine(target, random_head(target), EngineConfig(speculative=False, block_size=4, num_blocks=64))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=16)
+    assert [r.output for r in requests] == [list(greedy_tokens(target, p, 16)) for p in ps]
+    assert all(r.accepted == [] for r in requests)
+
+
+def test_stop_ids_and_chunked_prefill(target):
+    p = prompts(1, target.config.vocab_size, seed=2)[0] * 3  # long enough for several chunks
+    free = list(greedy_tokens(target, p, 30))
+    stop = free[7]
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
+                                                              max_prefill_tokens=16))
+    (request,) = engine.generate([p], GREEDY, max_new_tokens=30, stop_ids={stop})
+    assert request.output == free[: free.index(stop) + 1] and request.finish_reason == "stop"
+
+
+def test_preemption_when_blocks_run_out(target):
+    """A pool too small for all requests at once: they are preempted and recomputed, outputs unchanged."""
+    ps = prompts(6, target.config.vocab_size, seed=3)
+    reference = [list(greedy_tokens(target, p, 40)) for p in ps]
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["chain"], block_size=4, num_blocks=40))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=40)
+    assert [r.output for r in requests] == reference
+    assert engine.pool.allocator.num_free == 40
+
+
+def test_abort_frees_blocks(target):
+    engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
+    request = engine.add_request(prompts(1, 257)[0], GREEDY, max_new_tokens=100)
+    for _ in range(3):
+        engine.step()
+    assert request.output and engine.pool.allocator.num_free < 64
+    engine.abort(request)
+    assert request.finish_reason == "abort" and engine.pool.allocator.num_free == 64 and not engine.has_work()
+
+
+def test_prompt_longer_than_context_is_refused(target):
+    engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
+    with pytest.raises(ValueError, match="context holds"):
+        engine.add_request(list(range(300)), GREEDY, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+    """A head trained a little with the TTT loss on the target's own greedy continuations of 32 prompts,
+    so that drafts are accepted and every path of the engine (multi-token acceptance, KV moves, draft
+    extension) runs. Returns (head, prompts, the TTT-implied acceptance length on their continuations)."""
+    from eyas.common.attention import CausalAttention
+    from eyas.train.ttt import ttt_loss
+
+    ps = [p[:8] for p in prompts(64, target.config.vocab_size, seed=5) if len(p) >= 8][:32]
+    plain = Engine(target, config=EngineConfig(block_size=4, num_blocks=1024))
+    seqs = torch.tensor([p + r.output for p, r in zip(ps, plain.generate(ps, GREEDY, 40), strict=True)])
+    with torch.no_grad():
+        out = target(seqs, torch.arange(seqs.shape[1]).expand(len(seqs), -1), CausalAttention(),
+                     aux_layers=target.config.default_aux_layers)
+        logits = target.logits(out.hidden)
+    head = random_head(target, draft_vocab=target.config.vocab_size)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    mask = torch.zeros_like(seqs)
+    mask[:, 8:] = 1  # the continuations
+    for _ in range(100):
+        loss = ttt_loss(head, target.embed_tokens, seqs, out.aux, logits, mask, steps=4).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        tau = ttt_loss(head, target.embed_tokens, seqs, out.aux, logits, mask, steps=4).tau.item()
+    return head.eval(), ps, tau
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_trained_head_accepts_and_stays_exact(target, trained, shape):
+    head, ps, tau = trained
+    ps = [p[: 3 + i] for i, p in enumerate(ps[:8])]  # batch 8, mixed prompt lengths
+    reference = [list(greedy_tokens(target, p, 32)) for p in ps]
+    engine = Engine(target, head, EngineConfig(tree=SHAPES[shape], block_size=4, num_blocks=512))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=32)
+    assert [r.output for r in requests] == reference
+    accepted = [a for r in requests for a in r.accepted]
+    assert sum(accepted) / len(accepted) > 0.3, "the trained head should get drafts accepted"
+
+
+def test_served_acceptance_matches_training(target, trained):
+    """The acceptance length TTT predicts is what a chain of the same depth achieves when served."""
+    head, ps, tau = trained
+    engine = Engine(target, head, EngineConfig(tree=TreeShape(4, 1, 5), block_size=4, num_blocks=1024))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=40)
+    accepted = [a for r in requests for a in r.accepted]
+    served_tau = 1 + sum(accepted) / len(accepted)
+    assert tau > 1.3 and abs(served_tau - tau) < 0.25, (served_tau, tau)
