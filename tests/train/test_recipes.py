@@ -1,0 +1,72 @@
+"""Recipes: every file in recipes/ loads; unknown or mistyped keys and bad --set overrides are errors that
+name the file and the dotted key; --set values follow YAML scalar rules."""
+
+import pytest
+
+from eyas.common.config import ConfigError
+from eyas.train.config import RECIPES_DIR, load_recipe, parse_scalar, recipe_path
+
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    assert "ci-tiny" in [p.stem for p in RECIPES]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_loads(path):
+    recipe = load_recipe(path)
+    assert load_recipe(path.stem) == recipe
+
+
+def test_scalars_follow_yaml():
+    assert parse_scalar("3e-4") == 3e-4 and parse_scalar("-1.5E+2") == -150.0
+    assert parse_scalar("7") == 7 and isinstance(parse_scalar("7"), int)
+    assert parse_scalar("null") is None and parse_scalar("true") is True
+    assert parse_scalar("[1, 2]") == [1, 2] and parse_scalar("abc") == "abc"
+
+
+def test_set_overrides():
+    recipe = load_recipe("ci-tiny", ["optim.lr=1e-2", "checkpoint.stop_after=3", "model.aux_layers=[1, 2, 3]",
+                                     "deepspeed.zero_stage=2", "data.synthetic.seq_len=16"])
+    assert recipe.optim.lr == 1e-2 and recipe.checkpoint.stop_after == 3
+    assert recipe.model.aux_layers == [1, 2, 3] and recipe.deepspeed.zero_stage == 2
+    assert recipe.data.synthetic.seq_len == 16
+    assert isinstance(load_recipe("ci-tiny", ["optim.lr=1"]).optim.lr, float)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.lrr=1e-3"], ["ci-tiny.yaml", "optim.lrr"]),
+    (["nope.x=1"], ["ci-tiny.yaml", "'nope'"]),
+    (["data.synthetic.seq_lenn=4"], ["data.synthetic.seq_lenn"]),
+    (["optim.lr=fast"], ["ci-tiny.yaml", "optim", "'lr'", "'fast'"]),
+    (["ttt.steps=2.5"], ["ttt", "'steps'"]),
+    (["checkpoint.every=true"], ["checkpoint", "'every'"]),
+    (["deepspeed.zero_stage=3"], ["deepspeed", "zero_stage"]),
+    (["optim.lr"], ["--set", "optim.lr", "KEY=VALUE"]),
+    (["optim.lr.x=1"], ["--set", "'optim.lr' is not a section"]),
+    (["optim=3"], ["'optim' should be a mapping"]),
+])
+def test_bad_overrides_name_the_key(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load_recipe("ci-tiny", overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_bad_file_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  random_target: {hidden_sise: 64}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*model\.random_target\.hidden_sise"):
+        load_recipe(path)
+    path.write_text("model: {random_target: {}}\noptim: {betas: [0.9, fast]}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: optim: field 'betas'"):
+        load_recipe(path)
+    path.write_text("model: {target: /x, random_target: {}}\n")
+    with pytest.raises(ConfigError, match="exactly one of 'target' and 'random_target'"):
+        load_recipe(path)
+
+
+def test_unknown_recipe_name():
+    with pytest.raises(FileNotFoundError, match="ci-tiny"):
+        recipe_path("no-such-recipe")

@@ -1,0 +1,85 @@
+"""The trainer end to end through DeepSpeed (one CPU process): ci-tiny writes metrics, checkpoints and a head
+that loads; a run stopped mid-way resumes to bit-identical weights and metrics; the loss falls on an overfit."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.common.head_checkpoint import load_draft_head
+from eyas.train import checkpoint
+from eyas.train.config import load_recipe
+from eyas.train.optim import lr_factor
+from eyas.train.trainer import build_random_target, train
+
+QUIET = ["logging.progress=false"]
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("full")
+    recipe = load_recipe("ci-tiny", QUIET)
+    assert train(recipe, run) == run / "final"
+    return recipe, run
+
+
+def test_ci_tiny_end_to_end(full_run):
+    recipe, run = full_run
+    records = metrics(run)
+    assert [r["step"] for r in records] == list(range(1, recipe.optim.total_steps + 1))
+    assert all(len(r["acc"]) == recipe.ttt.steps and 1 <= r["tau"] <= 1 + recipe.ttt.steps for r in records)
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_2", "step_4", "step_6", "step_8"]
+    target = build_random_target(recipe.model.random_target)
+    head = load_draft_head(run / "final", target)
+    assert head.config.draft_vocab_size == recipe.model.draft_vocab_size
+    assert head.config.vocab_size == target.config.vocab_size
+    speculators = load_draft_head(run / "final-speculators", target)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, speculators.state_dict()[name]), name
+
+
+def test_resume_is_exact(full_run, tmp_path):
+    recipe, run = full_run
+    stopped = train(load_recipe("ci-tiny", QUIET + ["checkpoint.stop_after=3"]), tmp_path)
+    assert stopped is None and not (tmp_path / "final").exists()
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_2"]
+
+    assert train(load_recipe("ci-tiny", QUIET), tmp_path) == tmp_path / "final"  # resumes from step_2
+    assert metrics(tmp_path) == metrics(run)  # step 3 is redone; every number matches
+    want, got = load_file(run / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_loss_falls_on_an_overfit(tmp_path):
+    recipe = load_recipe("ci-tiny", QUIET + [
+        "data.synthetic.num_batches=1", "optim.grad_accum=1", "optim.total_steps=15", "optim.warmup_steps=0",
+        "optim.lr=1e-2", "checkpoint.every=0",
+    ])
+    train(recipe, tmp_path)
+    records = metrics(tmp_path)
+    # Soft labels: the loss falls towards the target's (decayed) entropy, ~8.5 here, not to 0.
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 2 and losses[-1] < min(losses[:-1]) + 1e-3
+    assert records[-1]["acc"][0] > 0.6 and records[-1]["tau"] > 2.5
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path):
+    for name in ("step_2", "step_10", ".step_12.tmp", "step_11"):
+        (tmp_path / name).mkdir()
+    for name in ("step_2", "step_10", ".step_12.tmp"):
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    assert checkpoint.checkpoints(tmp_path) == [tmp_path / "step_2", tmp_path / "step_10"]
+
+
+def test_lr_schedule():
+    got = [lr_factor(s, warmup=2, total=6, min_ratio=0.0) for s in range(6)]
+    assert got == pytest.approx([0.5, 1.0, 1.0, 0.8536, 0.5, 0.1464], abs=1e-4)
+    assert lr_factor(5, 0, 5, 0.1) == pytest.approx(0.1)

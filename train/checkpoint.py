@@ -1,0 +1,86 @@
+"""Training checkpoints: `<output>/checkpoints/step_N/`, written atomically, resumed exactly.
+
+    step_N/engine/             DeepSpeed's files: module, optimizer (ZeRO partitions), lr scheduler
+    step_N/rng_rank{R}.pt      python, numpy and torch (CPU + CUDA) RNG states of rank R
+    step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank}; written last
+
+Every rank writes into `.step_N.tmp/`; after a barrier rank 0 renames it to `step_N/`, so a directory named
+`step_N` is always complete (a run killed while saving leaves only a `.tmp` that is ignored and replaced).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(engine, root: Path, step: int, position: int, keep_last: int = 0) -> Path:
+    """Writes `root/step_{step}` (all ranks call this); prunes to the newest `keep_last` when > 0."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "position": position}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that died after this step
+        os.replace(tmp, final)
+        if keep_last > 0:
+            for old in checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / "trainer_state.json").exists()]
+
+
+def load(engine, path: Path) -> dict:
+    """Restores engine, optimizer, scheduler and this rank's RNG states; returns the trainer state."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    loaded, _ = engine.load_checkpoint(str(path), tag="engine", load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    if loaded is None:
+        raise RuntimeError(f"checkpoint {path}: DeepSpeed found nothing to load under {path / 'engine'}")
+    # Pickled python/numpy RNG states are not plain tensors; our own file, so a full load is safe.
+    set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())

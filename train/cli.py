@@ -1,0 +1,36 @@
+"""`train-eagle`: train an EAGLE-3 head from a recipe.
+
+    train-eagle --recipe ci-tiny --output runs/ci-tiny                       # one process (CPU or one GPU)
+    train-eagle --recipe recipes/my-target.yaml --set optim.lr=3e-4 --set checkpoint.every=500 --output runs/x
+    deepspeed --num_gpus 8 --module eyas.train.cli --recipe recipes/my-target.yaml --output runs/x   # 8 GPUs
+
+`--recipe` is a YAML path or the name of a file in recipes/; each `--set dotted.key=value` overrides one
+field (YAML scalar syntax). Rerunning the same command resumes from the latest checkpoint in --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch.distributed as dist
+
+from .config import load_recipe
+from .trainer import train
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="train-eagle", description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", required=True, help="a YAML path or a name in recipes/")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe field, e.g. optim.lr=3e-4 (repeatable)")
+    parser.add_argument("--output", required=True, help="run directory (metrics, checkpoints, final head)")
+    # The deepspeed launcher passes --local_rank; the rank is read from the environment instead.
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    train(load_recipe(args.recipe, args.overrides), args.output)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Per-step training metrics: `<output>/metrics.jsonl` (one JSON object per optimizer step), optional wandb.
+
+    {"step": 3, "loss": 4.1, "lr": 1e-4, "grad_norm": 0.9, "acc": [0.41, 0.22, ...], "tau": 1.6, "tokens": 64}
+
+`acc[i]` is step i's draft accuracy over the counted tokens of the whole optimizer step (all micro-batches
+and ranks), `tau` the acceptance length it implies (`ttt.acceptance_length`): what serving should see.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import LoggingConfig
+
+
+class MetricsLog:
+    def __init__(self, path: Path, cfg: LoggingConfig, run_config: dict, resume_step: int):
+        self.path = path
+        # A resumed run repeats the steps after its checkpoint: drop their old lines.
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.wandb = None
+        if cfg.wandb_project is not None:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=cfg.run_name, mode=cfg.wandb_mode, config=run_config,
+                dir=str(path.parent), resume="allow",
+            )
+
+    def log(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            acc = {f"acc/{i}": a for i, a in enumerate(record["acc"])}
+            self.wandb.log({k: v for k, v in record.items() if k != "acc"} | acc, step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,47 @@
+"""Optimizer, learning-rate schedule and the DeepSpeed config generated from a recipe."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TrainRecipe
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr before optimizer step `step` (0-based): linear warmup over `warmup` steps,
+    then a cosine from 1 down to `min_ratio` at `total`. Example, warmup 2, total 6, min 0:
+    steps 0..5 -> 0.5, 1.0, 1.0, 0.85, 0.5, 0.15."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(recipe: TrainRecipe, model: nn.Module):
+    o = recipe.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    min_ratio = o.min_lr / o.lr if o.lr else 0.0
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, o.warmup_steps, o.total_steps, min_ratio)
+    )
+    return optimizer, schedule
+
+
+def deepspeed_config(recipe: TrainRecipe, micro_batch_size: int, bf16: bool) -> dict[str, Any]:
+    """DeepSpeed's JSON config: ZeRO stage, precision, accumulation and clipping come from the recipe;
+    `deepspeed.extra` is merged last (top-level keys replace)."""
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": recipe.optim.grad_accum,
+        "gradient_clipping": recipe.optim.grad_clip,
+        "zero_optimization": {"stage": recipe.deepspeed.zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,  # the trainer logs
+        "wall_clock_breakdown": False,
+    }
+    return {**config, **recipe.deepspeed.extra}

@@ -1,0 +1,254 @@
+"""The EAGLE-3 trainer: frozen target (online hidden states) -> head unrolled with training-time test -> DeepSpeed.
+
+    from eyas.train.config import load_recipe
+    from eyas.train.trainer import train
+    train(load_recipe("ci-tiny"), "runs/ci-tiny")   # -> runs/ci-tiny/final (EAGLE-3 head directory)
+
+One optimizer step = `optim.grad_accum` micro-batches per rank. Per micro-batch: the target runs without
+gradient and yields the residual streams entering `aux_layers` ([B, T, 3·Ht]) and its logits ([B, T, V]);
+`ttt_loss` unrolls the head over them; DeepSpeed owns backward, accumulation, clipping, the ZeRO-partitioned
+AdamW step and the warmup + cosine schedule. Outputs under `<output>/`:
+
+    recipe.yaml          the recipe as run
+    metrics.jsonl        one line per optimizer step (train.metrics)
+    checkpoints/step_N/  every `checkpoint.every` steps (train.checkpoint); a rerun resumes from the latest
+    final/               the head, SGLang/vLLM EAGLE-3 layout (save_eagle3)
+    final-speculators/   the head, vLLM speculators layout
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from deepspeed.accelerator import get_accelerator
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from eyas.common.attention import CausalAttention, MaskedAttention
+from eyas.common.config import TargetConfig, read_json
+from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.head_checkpoint import export_speculators, save_eagle3
+from eyas.common.hot_vocab import HotVocab
+from eyas.common.target import TargetModel
+
+from . import checkpoint
+from .batches import Batch, hot_vocab_from_batches, micro_batches, synthetic_batches
+from .config import ModelConfig, RandomTarget, TrainRecipe
+from .metrics import MetricsLog
+from .optim import build_optimizer, deepspeed_config
+from .ttt import TTTOutput, ttt_loss
+
+
+class TTTModule(nn.Module):
+    """What DeepSpeed wraps: the head, with the training-time-test loss as its forward. The target's
+    embedding is an argument, not a submodule, so DeepSpeed neither casts, partitions nor saves it."""
+
+    def __init__(self, head: Eagle3Head, steps: int, decay: float):
+        super().__init__()
+        self.head, self.steps, self.decay = head, steps, decay
+
+    def forward(self, embed: Tensor, input_ids: Tensor, aux: Tensor, target_logits: Tensor, loss_mask: Tensor,
+                attention_mask: Tensor) -> TTTOutput:
+        return ttt_loss(self.head, embed, input_ids, aux, target_logits, loss_mask, attention_mask,
+                        steps=self.steps, decay=self.decay)
+
+
+def build_random_target(cfg: RandomTarget) -> TargetModel:
+    """A random Llama decoder; lm_head drawn N(0, 1/H) so the logits have unit scale and the target's
+    distributions are peaked enough to learn from (PyTorch's default init gives nearly flat ones)."""
+    config = TargetConfig.from_hf({
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+    }, source="model.random_target")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = TargetModel(config)
+        nn.init.normal_(model.lm_head.weight, std=cfg.hidden_size**-0.5)
+    return model.eval()
+
+
+def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> TargetModel:
+    if cfg.random_target is not None:
+        target = build_random_target(cfg.random_target).to(dtype=dtype, device=device)
+        target.rotary.reset_parameters(device)  # inv_freq stays fp32
+    else:
+        target = TargetModel.from_pretrained(cfg.target, dtype=dtype, device=device)
+    return target.requires_grad_(False).eval()
+
+
+def build_head(cfg: ModelConfig, target: TargetModel, hot: HotVocab) -> Eagle3Head:
+    """A head shaped like one target layer. With `init_from_target`, the parts whose meaning the target fixes
+    start from it: lm_head row i = the target's lm_head row of token hot_ids[i], and the final norm = the
+    target's final norm (the head's output plays the role of the target's last residual stream). The rest
+    (fc, the layer) is PyTorch's default init: there is no target counterpart of their 2H/3H-wide inputs."""
+    aux = tuple(cfg.aux_layers) if cfg.aux_layers is not None else None
+    config = Eagle3Config.for_target(target.config, hot.draft_vocab_size, aux_layers=aux)
+    head = Eagle3Head(config)
+    head.set_hot_vocab(hot)
+    if cfg.init_from_target:
+        with torch.no_grad():
+            rows = hot.hot_ids.to(target.lm_head_weight.device)
+            head.lm_head.weight.copy_(target.lm_head_weight.index_select(0, rows))
+            head.norm.weight.copy_(target.model.norm.weight)
+    return head
+
+
+@torch.no_grad()
+def target_forward(target: TargetModel, batch: Batch, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """(aux [B, T, 3·Ht], logits [B, T, V]). Padded keys are masked out, so padding may sit at either end."""
+    input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    if valid.all():
+        attn = CausalAttention()
+    else:  # causal over real keys; every query also sees itself, so no softmax row is empty
+        idx = torch.arange(T, device=input_ids.device)
+        mask = (idx[:, None] >= idx[None]) & (valid[:, None, :] | (idx[:, None] == idx[None]))  # [B, T, T]
+        attn = MaskedAttention(mask)
+    out = target(input_ids, positions, attn, aux_layers=aux_layers)
+    return out.aux, target.logits(out.hidden)
+
+
+def _init_distributed() -> tuple[int, int, int]:
+    """(rank, local rank, world size). Without a launcher (`train-eagle`, tests) this is a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed()
+    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _atomic_export(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _verifier_architectures(cfg: ModelConfig) -> list[str]:
+    config = Path(cfg.target or "") / "config.json"
+    return read_json(config).get("architectures", ["LlamaForCausalLM"]) if config.is_file() else ["LlamaForCausalLM"]
+
+
+def train(
+    recipe: TrainRecipe,
+    output: str | Path,
+    batches: Iterable[Batch] | None = None,
+    hot_vocab: HotVocab | None = None,
+) -> Path | None:
+    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it.
+
+    batches: a re-iterable of {"input_ids", "loss_mask", "attention_mask"} [B, T] int64 (read once per epoch;
+    batch j goes to rank j % world size); None: the recipe's `data.synthetic`. hot_vocab: None derives it from
+    the batches' assistant-token counts.
+    """
+    output = Path(output)
+    rank, local_rank, world_size = _init_distributed()
+    get_accelerator().set_device(local_rank)
+    device = torch.device(get_accelerator().device_name(local_rank))
+    bf16 = recipe.model.precision == "bf16" or (recipe.model.precision == "auto" and device.type == "cuda")
+    _seed(recipe.seed)
+
+    target = load_target(recipe.model, torch.bfloat16 if bf16 else torch.float32, device)
+    vocab_size = target.config.vocab_size
+    if batches is None:
+        if recipe.data.synthetic is None:
+            raise ValueError("no training data: set data.synthetic in the recipe or pass batches")
+        batches = synthetic_batches(recipe.data.synthetic, vocab_size)
+    hot = hot_vocab or hot_vocab_from_batches(batches, vocab_size, recipe.model.draft_vocab_size)
+    head = build_head(recipe.model, target, hot)
+    aux_layers = head.config.aux_layers_for(target.config)
+    module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
+    optimizer, schedule = build_optimizer(recipe, module)
+    micro_batch_size = next(iter(batches))["input_ids"].shape[0]
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=schedule,
+        config=deepspeed_config(recipe, micro_batch_size, bf16),
+    )
+
+    ckpt_root = output / "checkpoints"
+    step, position = 0, 0
+    found = checkpoint.checkpoints(ckpt_root) if recipe.checkpoint.resume else []
+    if found:
+        state = checkpoint.load(engine, found[-1])
+        step, position = state["step"], state["position"]
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        log = MetricsLog(output / "metrics.jsonl", recipe.logging, recipe.to_dict(), resume_step=step)
+    bar = tqdm(total=recipe.optim.total_steps, initial=step, disable=rank != 0 or not recipe.logging.progress,
+               desc="train-eagle")
+
+    data = micro_batches(batches, position, rank, world_size)
+    embed = target.embed_tokens.weight
+    steps = recipe.ttt.steps
+    while step < recipe.optim.total_steps:
+        # Sums over this optimizer step's micro-batches: loss, then per unroll step correct and counted tokens.
+        totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
+        lr = schedule.get_last_lr()[0]  # the lr of this step's update (the schedule advances after it)
+        for _ in range(recipe.optim.grad_accum):
+            position, batch = next(data)
+            position += 1
+            batch = {k: v.to(device) for k, v in batch.items()}
+            aux, logits = target_forward(target, batch, aux_layers)
+            out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
+            engine.backward(out.loss)
+            engine.step()
+            count = out.per_step_count.double()
+            totals += torch.cat([out.loss.detach().double()[None], out.per_step_acc.double() * count, count])
+        step += 1
+        if world_size > 1:
+            dist.all_reduce(totals)
+        loss = float(totals[0]) / (recipe.optim.grad_accum * world_size)
+        acc = (totals[1 : 1 + steps] / totals[1 + steps :].clamp(min=1)).tolist()
+        tau = 1 + float(np.cumprod(acc).sum())  # ttt.acceptance_length over the whole step
+        grad_norm = engine.get_global_grad_norm()
+        if rank == 0:
+            log.log({
+                "step": step, "loss": loss,
+                "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+                "acc": acc, "tau": tau, "tokens": int(totals[1 + steps]),
+            })
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{tau:.2f}")
+        if recipe.checkpoint.every and step % recipe.checkpoint.every == 0:
+            checkpoint.save(engine, ckpt_root, step, position, recipe.checkpoint.keep_last)
+        if recipe.checkpoint.stop_after is not None and step >= recipe.checkpoint.stop_after:
+            break
+    bar.close()
+    if rank == 0:
+        log.close()
+    if step < recipe.optim.total_steps:
+        return None
+
+    final, head = output / "final", engine.module.head
+    if rank == 0:
+        _atomic_export(final, lambda p: save_eagle3(head, p))
+        _atomic_export(output / "final-speculators", lambda p: export_speculators(
+            head, p, verifier=recipe.model.target or "random-target",
+            verifier_architectures=_verifier_architectures(recipe.model), speculative_tokens=steps,
+        ))
+    if world_size > 1:
+        dist.barrier()
+    return final
