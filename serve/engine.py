@@ -20,7 +20,9 @@ preempts the newest request (its KV is freed and recomputed on readmission) inst
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,7 @@ class EngineConfig:
     cpu_kv_tokens: int = 65536
     max_batch_size: int = 64
     max_prefill_tokens: int = 2048  # chunk size of prefills
+    profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
 
 
 @dataclass(eq=False)
@@ -115,6 +118,22 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        # With `profile`: seconds per phase (prefill, draft, verify, accept) and the decode step count.
+        self.timings: defaultdict[str, float] = defaultdict(float)
+        self.decode_steps = 0
+
+    @contextmanager
+    def _phase(self, name: str):
+        if not self.config.profile:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timings[name] += time.perf_counter() - start
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -157,8 +176,10 @@ class Engine:
         self._admit()
         pending = next((r for r in self.running if r.cached < r.prefill_target), None)
         if pending is not None:
-            self._prefill_chunk(pending)
+            with self._phase("prefill"):
+                self._prefill_chunk(pending)
         elif self.running:
+            self.decode_steps += 1
             self._decode(self._ensure_blocks())
 
     def _blocks_for(self, positions: int) -> int:
@@ -250,16 +271,23 @@ class Engine:
     @torch.no_grad()
     def _decode(self, requests: list[Request]) -> None:
         device = self.device
-        B = len(requests)
         n = torch.tensor([r.cached for r in requests], device=device)  # [B]
         roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
         width = int(n.max()) + self.reserve
         slots = self._slot_table(requests, width)  # [B, width]
-        if self.drafter is not None:
-            tree = self.drafter.draft_tree(roots, [r.draft for r in requests], n, slots)
-        else:
-            tree = root_only(roots)
-        N = tree.tokens.shape[1]
+        with self._phase("draft"):
+            if self.drafter is not None:
+                tree = self.drafter.draft_tree(roots, [r.draft for r in requests], n, slots)
+            else:
+                tree = root_only(roots)
+        with self._phase("verify"):
+            out, accepted, num_accepted, bonus = self._verify_tree(requests, tree, n, slots)
+        with self._phase("accept"):
+            self._accept(requests, tree, n, slots, out, accepted, num_accepted, bonus)
+
+    def _verify_tree(self, requests: list[Request], tree: DraftTree, n: Tensor, slots: Tensor):
+        """One target pass over every tree node -> (target output, accepted, num_accepted, bonus)."""
+        device, (B, N), width = self.device, tree.tokens.shape, slots.shape[1]
         columns = n[:, None] + torch.arange(N, device=device)  # [B, N] positions whose slots hold the nodes
         mask = torch.arange(width, device=device)[None, None] < n[:, None, None]  # [B, 1, width] prefix
         mask = mask.expand(B, N, width).clone()
@@ -267,8 +295,15 @@ class Engine:
         attn = TorchPagedAttention(self.pool, slots.gather(1, columns), slots, mask)
         out = self.target(tree.tokens, n[:, None] + tree.depth, attn, aux_layers=self.aux_layers)
         logits = self.target.logits(out.hidden).float()  # [B, N, V]
-        accepted, num_accepted, bonus = self._verify(requests, tree, logits)
+        return (out, *self._verify(requests, tree, logits))
 
+    def _accept(
+        self, requests: list[Request], tree: DraftTree, n: Tensor, slots: Tensor, out: TargetOutput,
+        accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
+    ) -> None:
+        """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens."""
+        device, N = self.device, tree.tokens.shape[1]
+        columns = n[:, None] + torch.arange(N, device=device)
         # Keep the accepted path's KV: node accepted[j] moves from position n + accepted[j] to n + j.
         path = accepted.clamp(min=0)  # [B, N]
         moves = (accepted > 0) & (accepted != torch.arange(N, device=device))

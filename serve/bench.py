@@ -1,0 +1,205 @@
+"""bench-eagle: speed of speculative decoding, every figure measured in one run.
+
+    bench-eagle --target smollm2-135m-instruct --draft runs/quickstart/final --batch-sizes 1 8
+    bench-eagle --random-weights --arch llama-3.1-8b --batch-sizes 1 --trees 7,1,8 5,4,8 6,8,48 --input-len 1024
+    bench-eagle ... --autotune autotune.json        # the fastest setting per batch size, read by serve-eagle
+
+For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over
+the same prompts and reports: τ (tokens per verification, bonus included), the mean decode step split
+into draft / verify / accept (KV moves, draft extension, bookkeeping), output tokens/s, and the speedup
+over speculation off at the same batch size. With random weights τ is meaningless (the draft guesses
+at random); step costs are what such a run measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.common.assets import resolve_target
+from eyas.common.config import TargetConfig
+from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.head_checkpoint import load_draft_head
+from eyas.common.hot_vocab import HotVocab
+from eyas.common.target import TargetModel
+
+from .draft import TreeShape
+from .engine import Engine, EngineConfig
+from .sampling import SamplingParams
+
+# Hugging Face configs of architectures benchmarked with random weights (step time does not depend on them).
+ARCHITECTURES = {
+    "tiny": {  # for smoke tests
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+    },
+    "llama-3.1-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    },
+}
+
+
+@dataclass
+class Result:
+    batch_size: int
+    setting: str  # "off" or "steps,topk,tokens"
+    tau: float
+    step_ms: float
+    draft_ms: float
+    verify_ms: float
+    accept_ms: float
+    tokens_per_s: float
+    speedup: float = 1.0
+
+
+def random_target(arch: str, dtype: torch.dtype, device: str) -> TargetModel:
+    cfg = TargetConfig.from_hf(ARCHITECTURES[arch], source=arch)
+    with torch.device(device):
+        model = TargetModel(cfg).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model.rotary.reset_parameters(device)
+    return model.eval()
+
+
+def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
+    cfg = Eagle3Config.for_target(target.config, min(draft_vocab, target.config.vocab_size))
+    device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
+    with torch.device(device):
+        head = Eagle3Head(cfg).to(dtype)
+    head.set_hot_vocab(HotVocab(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
+    head.rotary.reset_parameters(device)
+    return head.eval()
+
+
+def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size) -> Result:
+    block_size = 16
+    longest = max(len(p) for p in prompts[:batch_size]) + max_new_tokens + 128  # + the largest tree's scratch
+    config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), profile=True,
+                          max_batch_size=batch_size, block_size=block_size,
+                          num_blocks=batch_size * -(-longest // block_size))
+    engine = Engine(target, head if shape else None, config)
+    engine.generate(prompts[:batch_size], SamplingParams(temperature=0), 4)  # warm-up
+    engine.timings.clear()
+    engine.decode_steps = 0
+    requests = engine.generate(prompts[:batch_size], SamplingParams(temperature=0), max_new_tokens)
+    t = engine.timings
+    steps = max(engine.decode_steps, 1)
+    decode_s = t["draft"] + t["verify"] + t["accept"]
+    generated = sum(len(r.output) - 1 for r in requests)  # the first token comes from the prefill
+    verifications = sum(len(r.accepted) for r in requests) or steps * batch_size
+    tau = generated / verifications if shape else 1.0
+    return Result(
+        batch_size, "off" if shape is None else f"{shape.num_steps},{shape.topk},{shape.num_draft_tokens}", tau,
+        1e3 * decode_s / steps, 1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
+        generated / decode_s,
+    )
+
+
+def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -> float:
+    """Hugging Face `generate` (greedy, batch 1) on the same prompts, output tokens/s."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": target_path.name} if target_path.suffix == ".gguf" else {}
+    folder = target_path.parent if target_path.suffix == ".gguf" else target_path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
+    total, seconds = 0, 0.0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        total += out.shape[1] - ids.shape[1]
+    return total / seconds
+
+
+def parse_tree(text: str) -> TreeShape:
+    steps, topk, tokens = (int(x) for x in text.split(","))
+    return TreeShape(steps, topk, tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench-eagle", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--target", help="HF directory, .gguf file or packaged model name")
+    parser.add_argument("--draft", help="a draft head directory (default with --random-weights: a random head)")
+    parser.add_argument("--random-weights", action="store_true", help="random target and head of --arch")
+    parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--prompts", help="JSONL of {'prompt_ids': [...]} (default: random tokens of --input-len)")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--trees", type=parse_tree, nargs="+",
+                        default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
+                        help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
+    parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
+    parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
+    parser.add_argument("--json", type=Path, help="write every result to this JSON")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+    if args.random_weights:
+        target = random_target(args.arch, dtype, args.device)
+        head = random_head(target)
+    else:
+        if not (args.target and args.draft):
+            parser.error("give --target and --draft, or --random-weights")
+        target = TargetModel.from_pretrained(resolve_target(args.target), dtype=dtype, device=args.device)
+        head = load_draft_head(args.draft, target, dtype=dtype, device=args.device)
+    n = max(args.batch_sizes)
+    if args.prompts:
+        prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line]
+        prompts = (prompts * n)[:n]
+    else:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
+
+    run_setting(target, head, None, prompts, 8, 1)  # process-wide warm-up (kernel selection, allocator)
+    results: list[Result] = []
+    for bs in args.batch_sizes:
+        base = run_setting(target, head, None, prompts, args.output_len, bs)
+        results.append(base)
+        for shape in args.trees:
+            r = run_setting(target, head, shape, prompts, args.output_len, bs)
+            r.speedup = r.tokens_per_s / base.tokens_per_s
+            results.append(r)
+            print(f"  batch {bs} tree {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
+
+    print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
+          f"{'tok/s':>8} {'speedup':>7}")
+    for r in results:
+        print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
+              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f}")
+    if args.compare_hf and not args.random_weights:
+        hf = hf_tokens_per_s(resolve_target(args.target), prompts[:4], args.output_len, args.device, dtype)
+        best = max(r.tokens_per_s for r in results if r.batch_size == 1)
+        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s; eyas best at batch 1: {best:.1f} tok/s "
+              f"({best / hf:.2f}x)")
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+    if args.autotune:
+        best = {}
+        for bs in args.batch_sizes:
+            fastest = max((r for r in results if r.batch_size == bs), key=lambda r: r.tokens_per_s)
+            best[str(bs)] = fastest.setting
+        args.autotune.write_text(json.dumps({"best_setting_by_batch_size": best}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
