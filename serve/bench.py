@@ -108,6 +108,35 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     )
 
 
+@torch.no_grad()
+def weight_streaming_floor_ms(target: TargetModel) -> float:
+    """Time of one token through the model's linear layers alone (every weight read once, nothing else),
+    as a CUDA-graph replay: the floor a batch-1 decode step can approach."""
+    linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]  # the decoder stack
+    head = target.lm_head_weight
+    x = {m.in_features: torch.randn(1, m.in_features, device=head.device, dtype=head.dtype) for m in linears}
+    x.setdefault(head.shape[1], torch.randn(1, head.shape[1], device=head.device, dtype=head.dtype))
+
+    def run():
+        for m in linears:
+            torch.nn.functional.linear(x[m.in_features], m.weight)
+        x[head.shape[1]] @ head.T
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -> float:
     """Hugging Face `generate` (greedy, batch 1) on the same prompts, output tokens/s."""
     from transformers import AutoModelForCausalLM
@@ -186,6 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
               f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f}")
+    if args.device.startswith("cuda"):
+        floor = weight_streaming_floor_ms(target)
+        off = next(r for r in results if r.batch_size == 1 and r.setting == "off") if 1 in args.batch_sizes else None
+        ratio = f"; speculation off at batch 1: {off.step_ms:.2f} ms ({off.step_ms / floor:.2f}x)" if off else ""
+        print(f"weight-streaming floor (linear layers alone, CUDA graph): {floor:.2f} ms{ratio}")
     if args.compare_hf and not args.random_weights:
         hf = hf_tokens_per_s(resolve_target(args.target), prompts[:4], args.output_len, args.device, dtype)
         best = max(r.tokens_per_s for r in results if r.batch_size == 1)
