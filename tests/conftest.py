@@ -72,3 +72,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2-135M-Instruct tokenizer (read from its GGUF: seconds, so once per session)."""
+    from eyas.common.assets import asset_path
+    from eyas.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(asset_path("smollm2-135m-instruct"))

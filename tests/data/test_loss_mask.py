@@ -31,63 +31,65 @@ def masked_runs(tokenizer, ids, mask):
     return runs + ([tokenizer.decode(current)] if current else [])
 
 
-def test_mask_is_assistant_content_and_end_of_turn(smollm2):
-    eot = end_of_turn_id(smollm2)
-    row = tokenize_conversation(smollm2, CHAT, end_of_turn=eot)
+def test_mask_is_assistant_content_and_end_of_turn(smollm2_tokenizer):
+    eot = end_of_turn_id(smollm2_tokenizer)
+    row = tokenize_conversation(smollm2_tokenizer, CHAT, end_of_turn=eot)
     assert len(row["input_ids"]) == len(row["loss_mask"])
-    assert masked_runs(smollm2, row["input_ids"], row["loss_mask"]) == [
+    assert masked_runs(smollm2_tokenizer, row["input_ids"], row["loss_mask"]) == [
         "Paris is the capital of France.<|im_end|>",
         "Rome.\n<|im_end|>",
     ]
     # Everything unmasked decodes to the template and the system/user text, with no assistant text.
-    unmasked = smollm2.decode([i for i, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+    unmasked = smollm2_tokenizer.decode([i for i, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
     for m in CHAT:
         assert (m["content"] in unmasked) == (m["role"] != "assistant")
 
 
-def test_default_system_prompt_is_not_masked(smollm2):
+def test_default_system_prompt_is_not_masked(smollm2_tokenizer):
     # SmolLM2's template adds a default system message when there is none.
-    row = tokenize_conversation(smollm2, CHAT[1:3], end_of_turn=end_of_turn_id(smollm2))
-    assert masked_runs(smollm2, row["input_ids"], row["loss_mask"]) == ["Paris is the capital of France.<|im_end|>"]
-    assert "SmolLM" in smollm2.decode(row["input_ids"])
+    row = tokenize_conversation(smollm2_tokenizer, CHAT[1:3], end_of_turn=end_of_turn_id(smollm2_tokenizer))
+    assert masked_runs(smollm2_tokenizer, row["input_ids"], row["loss_mask"]) == [
+        "Paris is the capital of France.<|im_end|>"
+    ]
+    assert "SmolLM" in smollm2_tokenizer.decode(row["input_ids"])
 
 
-def test_assistant_text_repeated_in_user_turn(smollm2):
+def test_assistant_text_repeated_in_user_turn(smollm2_tokenizer):
     # The spans come from the template's structure, not from searching for the content.
     chat = [{"role": "user", "content": "Say: assistant"}, {"role": "assistant", "content": "assistant"}]
-    row = tokenize_conversation(smollm2, chat, end_of_turn=end_of_turn_id(smollm2))
-    assert masked_runs(smollm2, row["input_ids"], row["loss_mask"]) == ["assistant<|im_end|>"]
+    row = tokenize_conversation(smollm2_tokenizer, chat, end_of_turn=end_of_turn_id(smollm2_tokenizer))
+    assert masked_runs(smollm2_tokenizer, row["input_ids"], row["loss_mask"]) == ["assistant<|im_end|>"]
 
 
-def test_template_that_rewrites_content_is_refused(smollm2):
-    tok = copy.deepcopy(smollm2)
+def test_template_that_rewrites_content_is_refused(smollm2_tokenizer):
+    tok = copy.deepcopy(smollm2_tokenizer)
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
     with pytest.raises(TemplateMismatch):
         render_with_spans(tok, CHAT)
 
 
-def test_truncation(smollm2):
-    eot = end_of_turn_id(smollm2)
-    full = tokenize_conversation(smollm2, CHAT, end_of_turn=eot)
-    cut = tokenize_conversation(smollm2, CHAT, end_of_turn=eot, max_length=40)
+def test_truncation(smollm2_tokenizer):
+    eot = end_of_turn_id(smollm2_tokenizer)
+    full = tokenize_conversation(smollm2_tokenizer, CHAT, end_of_turn=eot)
+    cut = tokenize_conversation(smollm2_tokenizer, CHAT, end_of_turn=eot, max_length=40)
     assert cut["input_ids"] == full["input_ids"][:40] and cut["loss_mask"] == full["loss_mask"][:40]
 
 
-def test_dataset_cache_and_collate(smollm2, tmp_path):
+def test_dataset_cache_and_collate(smollm2_tokenizer, tmp_path):
     path = tmp_path / "chats.jsonl"
     long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
     lines = [{"messages": CHAT}, {"messages": CHAT[1:3]}, {"messages": long_prompt}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     config = DataConfig(max_length=100, cache_dir=str(tmp_path / "cache"))
-    ds = build_dataset(path, smollm2, config)
+    ds = build_dataset(path, smollm2_tokenizer, config)
     assert len(ds) == 2  # the long prompt leaves no assistant token within 100 tokens: dropped
-    row = tokenize_conversation(smollm2, CHAT, end_of_turn=end_of_turn_id(smollm2), max_length=100)
+    row = tokenize_conversation(smollm2_tokenizer, CHAT, end_of_turn=end_of_turn_id(smollm2_tokenizer), max_length=100)
     assert ds[0] == row
     # Same file, tokenizer and config: the cached Arrow file is reused; another max_length is not.
-    assert build_dataset(path, smollm2, config).cache_files == ds.cache_files
-    assert build_dataset(path, smollm2, DataConfig(max_length=50, cache_dir=config.cache_dir))._fingerprint != (
-        ds._fingerprint
-    )
+    assert build_dataset(path, smollm2_tokenizer, config).cache_files == ds.cache_files
+    assert build_dataset(
+        path, smollm2_tokenizer, DataConfig(max_length=50, cache_dir=config.cache_dir)
+    )._fingerprint != (ds._fingerprint)
 
     batch = collate([ds[0], ds[1]], pad_id=7)
     n0, n1 = len(ds[0]["input_ids"]), len(ds[1]["input_ids"])

@@ -9,34 +9,34 @@ from transformers import PreTrainedTokenizerFast
 from eyas.data.tokenizer import SENTINEL, align_eos, end_of_turn_id, render_chat, stop_token_ids
 
 
-def test_smollm2_stop_ids_contain_im_end(smollm2):
-    im_end = smollm2.convert_tokens_to_ids("<|im_end|>")
+def test_smollm2_stop_ids_contain_im_end(smollm2_tokenizer):
+    im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end == 2
-    assert end_of_turn_id(smollm2) == im_end
-    assert im_end in stop_token_ids(smollm2)
-    assert smollm2.eos_token_id == im_end
+    assert end_of_turn_id(smollm2_tokenizer) == im_end
+    assert im_end in stop_token_ids(smollm2_tokenizer)
+    assert smollm2_tokenizer.eos_token_id == im_end
 
 
-def test_smollm2_mislabelled_eos(smollm2):
-    tok = copy.deepcopy(smollm2)
+def test_smollm2_mislabelled_eos(smollm2_tokenizer):
+    tok = copy.deepcopy(smollm2_tokenizer)
     tok.eos_token = "<|endoftext|>"  # the label some transformers versions read from the GGUF
     assert 2 in stop_token_ids(tok)
     align_eos(tok)  # <|endoftext|> never appears in the template, so eos becomes <|im_end|>
     assert tok.eos_token_id == 2
 
 
-def test_smollm2_render_chat_round_trip(smollm2):
+def test_smollm2_render_chat_round_trip(smollm2_tokenizer):
     messages = [
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris is the capital of France."},
     ]
-    ids = render_chat(smollm2, messages, add_generation_prompt=False)
-    text = smollm2.decode(ids)
+    ids = render_chat(smollm2_tokenizer, messages, add_generation_prompt=False)
+    text = smollm2_tokenizer.decode(ids)
     assert "What is the capital of France?" in text and "Paris is the capital of France." in text
     assert ids[-2] == 2  # "<|im_end|>\n" closes the assistant turn
-    prompt = render_chat(smollm2, messages[:1])
-    assert smollm2.decode(prompt).endswith("<|im_start|>assistant\n")
-    assert prompt.count(smollm2.convert_tokens_to_ids("<|im_start|>")) == 3  # no BOS added on top
+    prompt = render_chat(smollm2_tokenizer, messages[:1])
+    assert smollm2_tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert prompt.count(smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # no BOS added on top
 
 
 def tiny_tokenizer(template: str) -> PreTrainedTokenizerFast:

@@ -19,11 +19,11 @@ def test_counts_only_masked_tokens():
     assert draft_vocab(counts).draft_vocab_size == 6  # the default size exceeds the vocab: all of it
 
 
-def test_cli_writes_token_map(smollm2, tmp_path, capsys):
+def test_cli_writes_token_map(smollm2_tokenizer, tmp_path, capsys):
     # A target directory holding the real tokenizer and a config: loads in well under a second, unlike the GGUF.
     target = tmp_path / "target"
-    smollm2.save_pretrained(target)
-    (target / "config.json").write_text(json.dumps(hf_config_dict("llama", vocab_size=len(smollm2))))
+    smollm2_tokenizer.save_pretrained(target)
+    (target / "config.json").write_text(json.dumps(hf_config_dict("llama", vocab_size=len(smollm2_tokenizer))))
     data = tmp_path / "chats.jsonl"
     chat = [{"role": "user", "content": "Count: one, two."}, {"role": "assistant", "content": "one one one two"}]
     data.write_text(json.dumps({"messages": chat}) + "\n")
@@ -32,10 +32,10 @@ def test_cli_writes_token_map(smollm2, tmp_path, capsys):
     main(["--target", str(target), "--data", str(data), "--size", "4", "--output", str(output),
           "--cache-dir", str(tmp_path / "cache")])
 
-    hot = HotVocab.load_token_map(output, len(smollm2))
+    hot = HotVocab.load_token_map(output, len(smollm2_tokenizer))
     assert hot.draft_vocab_size == 4
     # Most frequent first: " one" (twice in the answer) leads.
-    assert smollm2.decode(hot.hot_ids[:1]) == " one"
-    assert set(hot.hot_ids.tolist()) <= set(smollm2("one one one two<|im_end|>").input_ids)
+    assert smollm2_tokenizer.decode(hot.hot_ids[:1]) == " one"
+    assert set(hot.hot_ids.tolist()) <= set(smollm2_tokenizer("one one one two<|im_end|>").input_ids)
     assert isinstance(torch.load(output, weights_only=True), list)
     assert "wrote" in capsys.readouterr().out
