@@ -2,14 +2,13 @@
 
 import json
 
-import torch
-
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import render_chat, stop_token_ids
 from eyas.serve.engine import Engine, EngineConfig
 from eyas.serve.generate import greedy_tokens
 from eyas.serve.regenerate import engine_replier, regenerate_batch, regenerate_file
 from eyas.serve.sampling import SamplingParams
+from tests.conftest import make_hf_model
 
 
 def echo_replier(calls):
@@ -54,18 +53,12 @@ def test_file_resumes_after_interruption(tmp_path):
     assert rows[4]["messages"] == conv("q4", "1:q4")
 
 
-def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, hf_checkpoint):
+def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
     tok = smollm2_tokenizer
-    path, _ = hf_checkpoint("llama")
-    cfg_target = TargetModel.from_pretrained(path)
     # A tiny random target over SmolLM2's vocabulary, so its real tokenizer and chat template apply.
-    torch.manual_seed(0)
-    from tests.conftest import make_hf_model
-
-    hf = make_hf_model("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    hf.save_pretrained(path.parent / "big-vocab")
-    target = TargetModel.from_pretrained(path.parent / "big-vocab")
-    assert cfg_target.config.vocab_size != target.config.vocab_size
+    make_hf_model("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2
+                  ).save_pretrained(tmp_path)
+    target = TargetModel.from_pretrained(tmp_path)
     engine = Engine(target, None, EngineConfig(block_size=8, num_blocks=256))
     reply = engine_replier(engine, tok, SamplingParams(temperature=0), max_new_tokens=12)
     prompt = conv("Hello there")
