@@ -1,0 +1,229 @@
+"""eval-eagle: how well a draft head is accepted, and what it buys, on MT-bench, HumanEval or your prompts.
+
+    eval-eagle --target smollm2-135m-instruct --draft runs/quickstart/final --bench mt-bench --output eval/
+    eval-eagle --target T --draft D --bench humaneval --temperature 1 --num-steps 6 --topk 8 --num-draft-tokens 48
+    eval-eagle --target T --draft D --bench prompts.jsonl        # {"prompt": str} or {"messages": [...]} per line
+
+In-process: every question runs with speculation on (the given tree) and, in the same run, off, so the
+speedup is measured, not assumed. MT-bench runs both turns; the second turn follows the model's own first
+answer. No system message is added (the chat template's default applies), as in training.
+
+Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
+  τ              tokens per verification, bonus token included: mean over all verifications of (accepted + 1)
+  accept_rate[i] P(draft token i+1 accepted | tokens 1..i accepted), over the verifications that reached i
+  reach[i]       fraction of verifications that accepted at least i+1 draft tokens
+  tokens/s       output tokens over wall time, speculation on and off; speedup = on / off
+Worked example: verifications accepting [2, 0, 3, 1] draft tokens -> τ = (3+1+4+2)/4 = 2.5;
+reach = [3/4, 2/4, 1/4]; accept_rate = [3/4, 2/3, 1/2].
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eyas.common.assets import asset_path, resolve_target
+from eyas.common.head_checkpoint import load_draft_head
+from eyas.common.target import TargetModel
+from eyas.data.conversations import Conversation
+from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
+
+from .draft import TreeShape
+from .engine import Engine, EngineConfig
+from .sampling import SamplingParams
+
+
+@dataclass
+class Acceptance:
+    tau: float
+    accept_rate: list[float]
+    reach: list[float]
+    verifications: int
+    histogram: list[int]  # histogram[a]: verifications that accepted a draft tokens
+
+
+def acceptance_stats(accepted: list[int], depth: int) -> Acceptance:
+    """From per-verification accepted draft-token counts (each 0..depth); see the module docstring."""
+    n = len(accepted)
+    if n == 0:
+        return Acceptance(1.0, [0.0] * depth, [0.0] * depth, 0, [0] * (depth + 1))
+    at_least = [sum(a >= i for a in accepted) for i in range(depth + 1)]  # at_least[0] = n
+    return Acceptance(
+        tau=sum(a + 1 for a in accepted) / n,
+        accept_rate=[at_least[i + 1] / at_least[i] if at_least[i] else 0.0 for i in range(depth)],
+        reach=[at_least[i + 1] / n for i in range(depth)],
+        verifications=n,
+        histogram=[sum(a == i for a in accepted) for i in range(depth + 1)],
+    )
+
+
+def load_questions(bench: str) -> list[list[str]]:
+    """Each question as its list of user turns."""
+    if bench == "mt-bench":
+        return [json.loads(line)["turns"] for line in asset_path("mt-bench").read_text().splitlines() if line]
+    if bench == "humaneval":
+        with gzip.open(asset_path("humaneval"), "rt") as f:
+            return [[json.loads(line)["prompt"]] for line in f if line.strip()]
+    path = Path(bench)
+    if not path.exists():
+        raise FileNotFoundError(f"--bench {bench!r}: not mt-bench, humaneval or an existing JSONL file")
+    questions = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "prompt" in row:
+            questions.append([row["prompt"]])
+        elif "messages" in row:
+            questions.append([m["content"] for m in row["messages"] if m["role"] == "user"])
+        else:
+            raise ValueError(f"{path}, line {number}: expected a 'prompt' or 'messages' field")
+    return questions
+
+
+@dataclass
+class RunResult:
+    answers: list[list[str]]  # per question, per turn
+    new_tokens: list[int]  # per question
+    seconds: float
+    accepted: list[list[int]]  # per question: accepted draft tokens of each verification
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.new_tokens) / self.seconds
+
+
+def run_questions(engine: Engine, tokenizer, questions: list[list[str]], params: SamplingParams,
+                  max_new_tokens: int, desc: str) -> RunResult:
+    """Answers every question turn by turn, one question at a time (batch 1, the latency setting)."""
+    stops = set(stop_token_ids(tokenizer))
+    result = RunResult([], [], 0.0, [])
+    for turns in tqdm(questions, desc=desc, unit="q", file=sys.stderr):
+        messages: Conversation = []
+        answers, accepted, new_tokens = [], [], 0
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            ids = render_chat(tokenizer, messages)
+            budget = min(max_new_tokens, engine.context_limit - engine.reserve - len(ids))
+            if budget <= 0:
+                break
+            start = time.perf_counter()
+            request = engine.add_request(ids, params, budget, stops)
+            while engine.has_work():
+                engine.step()
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            result.seconds += time.perf_counter() - start
+            new_tokens += len(request.output)
+            accepted += request.accepted
+            text = tokenizer.decode([t for t in request.output if t not in stops]).strip()
+            answers.append(text)
+            messages.append({"role": "assistant", "content": text})
+        result.answers.append(answers)
+        result.new_tokens.append(new_tokens)
+        result.accepted.append(accepted)
+    return result
+
+
+def write_report(output: Path, report: dict, stats: Acceptance) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    rows = [
+        "| metric | value |", "|---|---|",
+        f"| τ (tokens per verification) | {stats.tau:.3f} |",
+        f"| verifications | {stats.verifications} |",
+        f"| tokens/s, speculation on | {report['tokens_per_s']:.1f} |",
+        f"| tokens/s, speculation off | {report['tokens_per_s_off']:.1f} |",
+        f"| speedup | {report['speedup']:.2f} |",
+    ]
+    rows += ["", "| position | accept rate | reach |", "|---|---|---|"]
+    rows += [f"| {i + 1} | {a:.3f} | {r:.3f} |" for i, (a, r) in enumerate(zip(stats.accept_rate, stats.reach,
+                                                                               strict=True))]
+    (output / "report.md").write_text(f"# eval-eagle: {report['bench']}\n\n" + "\n".join(rows) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    positions = range(1, len(stats.accept_rate) + 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(positions, stats.accept_rate, marker="o", label="accept rate (conditional)")
+    ax.plot(positions, stats.reach, marker="s", label="reach")
+    ax.set(xlabel="draft position", ylabel="rate", ylim=(0, 1), title=f"per-position acceptance, τ = {stats.tau:.2f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(output / "acceptance.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(range(1, len(stats.histogram) + 1), [h / max(stats.verifications, 1) for h in stats.histogram])
+    ax.set(xlabel="tokens per verification (accepted + bonus)", ylabel="fraction of verifications",
+           title="distribution of accepted length")
+    fig.tight_layout()
+    fig.savefig(output / "tau.png", dpi=120)
+    plt.close("all")
+
+
+def evaluate(target: TargetModel, head, tokenizer, questions, shape: TreeShape, params: SamplingParams,
+             max_new_tokens: int, bench: str) -> tuple[dict, Acceptance]:
+    on = Engine(target, head, EngineConfig(tree=shape, max_batch_size=1))
+    spec = run_questions(on, tokenizer, questions, params, max_new_tokens, "speculation on")
+    off = Engine(target, None, EngineConfig(speculative=False, max_batch_size=1))
+    base = run_questions(off, tokenizer, questions, params, max_new_tokens, "speculation off")
+    stats = acceptance_stats([a for q in spec.accepted for a in q], shape.num_steps)
+    report = {
+        "bench": bench,
+        "tree": asdict(shape),
+        "temperature": params.temperature,
+        "questions": len(questions),
+        **asdict(stats),
+        "tokens_per_s": spec.tokens_per_s,
+        "tokens_per_s_off": base.tokens_per_s,
+        "speedup": spec.tokens_per_s / base.tokens_per_s,
+        "per_question": [
+            {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc}
+            for a, n, acc in zip(spec.answers, spec.new_tokens, spec.accepted, strict=True)
+        ],
+    }
+    return report, stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="eval-eagle", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--target", required=True, help="HF directory, .gguf file or packaged model name")
+    parser.add_argument("--draft", required=True, help="the draft head directory")
+    parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
+    parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
+    parser.add_argument("--limit", type=int, help="only the first N questions")
+    parser.add_argument("--num-steps", type=int, default=7)
+    parser.add_argument("--topk", type=int, default=1)
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--output", type=Path, default=Path("eval"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+
+    path = resolve_target(args.target)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
+    head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
+    tokenizer = load_tokenizer(path)
+    questions = load_questions(args.bench)[: args.limit]
+    shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
+    report, stats = evaluate(target, head, tokenizer, questions, shape, SamplingParams(temperature=args.temperature),
+                             args.max_new_tokens, args.bench)
+    write_report(args.output, report, stats)
+    print((args.output / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

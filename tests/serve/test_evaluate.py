@@ -1,0 +1,55 @@
+"""eval-eagle: acceptance statistics from a hand-built trace, and an end-to-end run on a tiny model."""
+
+import json
+
+import pytest
+
+from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.head_checkpoint import save_eagle3
+from eyas.common.hot_vocab import HotVocab
+from eyas.common.target import TargetModel
+from eyas.serve.evaluate import acceptance_stats, load_questions, main
+from tests.conftest import make_hf_model
+
+
+def test_acceptance_stats_by_hand():
+    s = acceptance_stats([2, 0, 3, 1], depth=3)
+    assert s.tau == pytest.approx(2.5)
+    assert s.reach == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert s.accept_rate == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert s.histogram == [1, 1, 1, 1] and s.verifications == 4
+    chain = acceptance_stats([0, 0, 0, 0], depth=2)
+    assert chain.tau == 1 and chain.accept_rate == [0.0, 0.0]
+
+
+def test_packaged_benchmarks_load():
+    mt = load_questions("mt-bench")
+    assert len(mt) == 80 and all(len(turns) == 2 for turns in mt)
+    assert len(load_questions("humaneval")) == 164
+
+
+def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
+    """A tiny random target over SmolLM2's vocabulary (its real tokenizer and template) and a random head."""
+    make_hf_model("llama", vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=4).save_pretrained(tmp_path / "target")
+    # the tokenizer travels with the target directory, as in a real checkpoint
+    smollm2_tokenizer.save_pretrained(tmp_path / "target")
+    target = TargetModel.from_pretrained(tmp_path / "target")
+    head = Eagle3Head(Eagle3Config.for_target(target.config, 512))
+    head.set_hot_vocab(HotVocab.from_counts(target.lm_head_weight.abs().sum(1), 512))
+    save_eagle3(head, tmp_path / "head")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "One"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "Two"}
+    ]}) + "\n")
+    main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"), "--bench", str(prompts),
+          "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5", "--max-new-tokens", "8",
+          "--output", str(tmp_path / "eval"), "--device", "cpu"])
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    assert report["questions"] == 2 and [q["turns"] for q in report["per_question"]] == [1, 2]
+    assert report["verifications"] == sum(q["verifications"] for q in report["per_question"]) > 0
+    assert report["tokens_per_s"] > 0 and report["tokens_per_s_off"] > 0
+    assert len(report["accept_rate"]) == 3
+    for name in ("report.md", "acceptance.png", "tau.png"):
+        assert (tmp_path / "eval" / name).stat().st_size > 0
+    assert "speedup" in capsys.readouterr().out
