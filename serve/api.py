@@ -1,0 +1,374 @@
+"""OpenAI-compatible HTTP API (FastAPI) over the engine worker.
+
+    app = create_app(worker, tokenizer, model_name="smollm2", metrics=metrics)   # serve-eagle builds this
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints:
+  POST /v1/chat/completions   model, messages, max_tokens | max_completion_tokens, temperature, top_p, top_k,
+                              seed, stop, stream, stream_options.include_usage, n (1 only)
+  POST /v1/completions        the same with `prompt` (a string) instead of `messages`
+  GET  /v1/models, /health, /metrics (Prometheus; see metrics.py)
+
+Streaming answers are server-sent events (`data: {chunk}\\n\\n`, ending with `data: [DONE]\\n\\n`); with
+`stream_options: {"include_usage": true}` a last chunk with empty `choices` carries `usage`. `stop` strings are
+matched on the decoded text; the output ends before the stop string, with finish_reason "stop". Stop tokens
+(eos, end of turn) end the output too and are not shown. `top_k` is an extension (0 or -1 = off).
+
+Every response, and the last chunk of a stream, carries an extension field on speculative decoding:
+
+    "eyas": {"verify_steps": 12, "accepted_tokens": 25, "acceptance_length": 3.08}
+
+verify_steps: target verification passes of this request; accepted_tokens: draft tokens they accepted;
+acceptance_length: tokens per verification, (accepted_tokens + verify_steps) / verify_steps, the bonus token
+counted, or null with no verification (speculation off, or the answer ended at its first token).
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, unknown
+or mistyped fields, bad values, a prompt longer than the context; 404 for an unknown model or path; 503 while
+shutting down. A client that disconnects mid-stream has its request aborted (its KV blocks freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
+from transformers import PreTrainedTokenizerBase
+
+from eyas.data.tokenizer import render_chat, stop_token_ids
+
+from .metrics import Metrics
+from .sampling import SamplingParams
+from .text import TextStream
+from .worker import EngineWorker, Finish, ShuttingDown, Stream
+
+# ---- request schemas ----------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors; no coercion ("1" is not an int, 1 is not a bool).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Generation(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: up to the context)")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = Field(None, description="up to 4 non-empty stop strings")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, description="only 1 is supported")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > 4 or not all(strings):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stop
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    prompt: str
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+def _error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _error(status: int, *args, **kwargs) -> JSONResponse:
+    return JSONResponse(_error_body(*args, **kwargs), status)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *args, **kwargs):
+        super().__init__(message)
+        self.status, self.body = status, _error_body(message, *args, **kwargs)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """The first problem, naming its field: "messages.0.role: Input should be 'system', 'user' or 'assistant'"."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = [str(part) for part in first["loc"] if part != "body"]
+    if first["type"] == "json_invalid":
+        return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not loc:
+        return _error(400, f"the request body must be a JSON object ({first['msg']})")
+    field = ".".join(loc)
+    message = f"unknown field '{field}'" if first["type"] == "extra_forbidden" else f"{field}: {first['msg']}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return _error(400, message, param=loc[0], code=first["type"])
+
+
+# ---- generation ---------------------------------------------------------------------------------------
+
+
+class Generation:
+    """One request's text: `pieces()` yields the text to show; then `reason`, `completion_tokens`, `stats`."""
+
+    def __init__(self, worker: EngineWorker, stream: Stream, text: TextStream, stop_ids: set[int]):
+        self.worker, self.stream, self.text, self.stop_ids = worker, stream, text, stop_ids
+        self.completion_tokens = 0
+        self.finish: Finish | None = None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        try:
+            while not isinstance(event := await self.stream.events.get(), Finish):
+                self.completion_tokens += len(event)
+                piece = self.text.push([t for t in event if t not in self.stop_ids])
+                if piece:
+                    yield piece
+                if self.text.stopped:  # a stop string: end the request, wait for its finish
+                    self.worker.abort(self.stream, reason="stop")
+                    while not isinstance(event := await self.stream.events.get(), Finish):
+                        pass
+                    break
+            self.finish = event
+            if rest := self.text.finish():
+                yield rest
+        finally:
+            if self.finish is None:  # the client went away (cancelled) or the consumer stopped
+                self.worker.abort(self.stream)
+
+    @property
+    def reason(self) -> str:
+        return "stop" if self.text.stopped else self.finish.reason
+
+    def usage(self, prompt_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens}
+
+    def stats(self) -> dict:
+        steps, accepted = len(self.finish.accepted), sum(self.finish.accepted)
+        return {"verify_steps": steps, "accepted_tokens": accepted,
+                "acceptance_length": round((accepted + steps) / steps, 4) if steps else None}
+
+
+def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_name: str,
+               metrics: Metrics | None = None) -> FastAPI:
+    """The app; its lifespan starts the worker and, at exit, shuts it down (running requests finish first)."""
+    metrics = metrics or worker.metrics or Metrics()
+    stop_ids = set(stop_token_ids(tokenizer))
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.shutdown()
+
+    app = FastAPI(title="eyas", summary="OpenAI-compatible server with EAGLE-3 speculative decoding",
+                  lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request, exc: RequestValidationError):
+        return _validation_error(exc)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request, exc: APIError):
+        return JSONResponse(exc.body, exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request, exc: Exception):
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+
+    async def start(body: _Generation, prompt: list[int], prompt_field: str) -> Generation:
+        params = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed)  # in range: the schema's
+        max_new = body.new_tokens or worker.engine.context_limit  # the engine also stops at the context's end
+        try:
+            stream = await worker.submit(prompt, params, max_new, stop_ids)
+        except ValueError as e:
+            raise APIError(400, f"{prompt_field}: {e}", param=prompt_field) from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        return Generation(worker, stream, TextStream(tokenizer, body.stop_strings), stop_ids)
+
+    async def respond(request: Request, body: _Generation, prompt: list[int], gen: Generation, chat: bool):
+        kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+        head = {"id": f"{kind[0]}-{uuid.uuid4().hex}", "object": kind[1], "created": int(time.time()),
+                "model": model_name}
+
+        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            if not body.stream:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": reason}
+            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+        if not body.stream:
+            text = await _unless_disconnected(request, _join(gen.pieces()))
+            if text is None:
+                return Response(status_code=499)  # nobody reads it; the request was aborted
+            if gen.finish.reason == "error":
+                raise APIError(500, gen.finish.error, "server_error")
+            return {**head, "choices": [choice(text, gen.reason)], "usage": gen.usage(len(prompt)),
+                    "eyas": gen.stats()}
+
+        chunk_head = {**head, "object": "chat.completion.chunk"} if chat else head
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def event(data: dict) -> str:
+            return f"data: {json.dumps({**chunk_head, **data})}\n\n"
+
+        async def sse() -> AsyncIterator[str]:
+            if chat:
+                yield event({"choices": [choice(None, None, first=True)]})
+            async for piece in gen.pieces():
+                yield event({"choices": [choice(piece, None)]})
+            if gen.finish.reason == "error":
+                yield f"data: {json.dumps(_error_body(gen.finish.error, 'server_error'))}\n\n"
+            elif include_usage:
+                yield event({"choices": [choice(None, gen.reason)]})
+                yield event({"choices": [], "usage": gen.usage(len(prompt)), "eyas": gen.stats()})
+            else:
+                yield event({"choices": [choice(None, gen.reason)], "eyas": gen.stats()})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        try:
+            prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text} for m in body.messages])
+        except TemplateError as e:
+            raise APIError(400, f"messages: the chat template rejects them: {e}", param="messages") from None
+        return await respond(request, body, prompt, await start(body, prompt, "messages"), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = tokenizer(body.prompt, add_special_tokens=False).input_ids
+        return await respond(request, body, prompt, await start(body, prompt, "prompt"), chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "eyas"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_CountResponses, metrics=metrics, paths={route.path for route in app.routes})
+    return app
+
+
+async def _join(pieces: AsyncIterator[str]) -> str:
+    return "".join([piece async for piece in pieces])
+
+
+async def _unless_disconnected(request: Request, work) -> str | None:
+    """Awaits `work`, or cancels it (aborting its request) and returns None if the client disconnects first.
+    The body has been read, so the next ASGI message is the disconnect."""
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+class _CountResponses:
+    """ASGI middleware: counts responses by endpoint (unknown paths as "other") and status code."""
+
+    def __init__(self, app, metrics: Metrics, paths: set[str]):
+        self.app, self.metrics, self.paths = app, metrics, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.paths else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

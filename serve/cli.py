@@ -1,0 +1,108 @@
+"""`serve-eagle`: an OpenAI-compatible server for a target and its EAGLE draft head (see api.py for the API).
+
+    serve-eagle                                        # SmolLM2-135M-Instruct + runs/quickstart/final
+    serve-eagle --speculative off                      # the same target, no head
+    serve-eagle --target path/to/Llama-3.1-8B-Instruct --draft path/to/eagle3-head \\
+        --num-steps 5 --topk 8 --num-draft-tokens 32 --host 0.0.0.0 --port 8000 --dtype bfloat16
+    serve-eagle --target model.gguf --draft eagle-head --token-map freq_32768.pt   # EAGLE-1/2 + FR-Spec map
+
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+        -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from eyas.common.assets import DEFAULT_TARGET, resolve_target
+from eyas.common.head_checkpoint import load_draft_head
+from eyas.common.target import TargetModel
+from eyas.data.tokenizer import load_tokenizer
+
+from .draft import TreeShape
+from .engine import Engine, EngineConfig
+from .metrics import Metrics
+from .worker import EngineWorker
+
+# Where `train-eagle --recipe quickstart --output runs/quickstart` writes its head (the trainer's `final/`
+# directory): keep the two in step.
+QUICKSTART_HEAD = Path("runs/quickstart/final")
+QUICKSTART_COMMAND = "train-eagle --recipe quickstart --output runs/quickstart"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    default_tree = TreeShape()
+    parser = argparse.ArgumentParser(prog="serve-eagle", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"HF directory, .gguf file or packaged model name (default: {DEFAULT_TARGET})")
+    parser.add_argument("--draft", type=Path,
+                        help=f"draft head directory (EAGLE-3, EAGLE-1/2 or speculators); default with the default "
+                             f"target: {QUICKSTART_HEAD}, written by `{QUICKSTART_COMMAND}`")
+    parser.add_argument("--token-map", type=Path, help="FR-Spec token map (freq_N.pt) for an EAGLE-1/2 head")
+    parser.add_argument("--speculative", choices=["on", "off"], default="on",
+                        help="off: serve the target alone, one token per step (no head needed)")
+    parser.add_argument("--num-steps", type=int, default=default_tree.num_steps, help="draft tree depth")
+    parser.add_argument("--topk", type=int, default=default_tree.topk, help="draft tree branching")
+    parser.add_argument("--num-draft-tokens", type=int, default=default_tree.num_draft_tokens,
+                        help="tree nodes verified per step, root included")
+    parser.add_argument("--model-name", help="the `model` clients send (default: the target's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
+    args = parser.parse_args(argv)
+    try:
+        args.tree = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.speculative == "on" and args.draft is None:
+        if args.target != DEFAULT_TARGET:
+            parser.error("--draft is required with --target (or serve without a head: --speculative off)")
+        if not (QUICKSTART_HEAD / "config.json").exists():
+            parser.error(f"no draft head at {QUICKSTART_HEAD}. Train the quickstart head first:\n"
+                         f"    {QUICKSTART_COMMAND}\n"
+                         f"or give one with --draft DIR, or serve without a head: serve-eagle --speculative off")
+        args.draft = QUICKSTART_HEAD
+    return args
+
+
+def model_name(spec: str, path: Path) -> str:
+    """The name clients send: a packaged model's name as given, else the directory's name or the GGUF's stem."""
+    if not Path(spec).expanduser().exists():
+        return spec
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from .api import create_app
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    path = resolve_target(args.target)
+    target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
+    head = None
+    if args.speculative == "on":
+        head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
+    engine = Engine(target, head, EngineConfig(speculative=head is not None, tree=args.tree))
+    metrics = Metrics(max_accept=args.tree.num_draft_tokens)
+    name = args.model_name or model_name(args.target, path)
+    app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name, metrics)
+    print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")
+          + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # On Ctrl-C: new connections are refused, open ones get 30 s to finish (then their requests are aborted).
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=30)
+
+
+if __name__ == "__main__":
+    main()

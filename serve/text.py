@@ -1,0 +1,74 @@
+"""Generated token ids to text, piece by piece: never a broken UTF-8 character, and stop strings cut out.
+
+    text = TextStream(tokenizer, stop=["\\n\\n"])
+    piece = text.push([318, 257])    # text that is final: complete characters, not the start of a stop string
+    rest = text.finish()             # what was held back, once the generation has ended
+    text.stopped                     # a stop string was found; the text ends before it
+
+Decoding token by token goes wrong in two ways: a byte-level token may hold part of a UTF-8 character
+(decoded alone it gives "\\ufffd"), and some tokenizers decode a token differently after its left
+neighbour (SentencePiece's leading space). So each step decodes a short window of already-shown tokens
+plus the new ones and emits the difference, and waits while that difference ends in "\\ufffd".
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TextStream:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.window = 0  # ids[window:shown] give the context the next piece is decoded after
+        self.shown = 0  # ids decoded into `text`
+        self.text = ""
+        self.sent = 0  # len(text) handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        """Adds generated ids; returns the new text that can be shown."""
+        if self.stopped:
+            return ""
+        self.ids += ids
+        before = self._decode(self.ids[self.window : self.shown])
+        after = self._decode(self.ids[self.window :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._append(after[len(before) :])
+            self.window, self.shown = self.shown, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text (an incomplete character included, as a full decode would show it)."""
+        if not self.stopped and self.shown < len(self.ids):
+            before = self._decode(self.ids[self.window : self.shown])
+            self._append(self._decode(self.ids[self.window :])[len(before) :])
+            self.shown = len(self.ids)
+        return self._release(final=True)
+
+    def _append(self, piece: str) -> None:
+        start = max(self.sent, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not (final or self.stopped):
+            end -= self._held()
+        piece = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return piece
+
+    def _held(self) -> int:
+        """Length of the longest end of `text` that may begin a stop string (not shown until resolved)."""
+        for k in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self.text[-k:]) for s in self.stop):
+                return k
+        return 0

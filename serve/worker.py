@@ -1,0 +1,183 @@
+"""The engine's own thread: the asyncio side submits and aborts requests, the thread steps the engine.
+
+    worker = EngineWorker(engine, metrics)
+    worker.start()
+    stream = await worker.submit(prompt_ids, SamplingParams(temperature=0), max_new_tokens=64, stop_ids={2})
+    while isinstance(event := await stream.events.get(), list):
+        ...                           # a list of new token ids
+    event                             # Finish(reason, accepted, error)
+    worker.shutdown()
+
+The engine is not thread-safe, so only this thread touches it (and its requests). Commands arrive through
+a `queue.Queue`; token deltas and the finish go back with `loop.call_soon_threadsafe` into each request's
+`asyncio.Queue`. An exception inside `step` ends the requests that were running with reason "error" (their
+blocks freed) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .engine import Engine, Request
+from .metrics import Metrics
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ShuttingDown(RuntimeError):
+    """The worker no longer accepts requests."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # "stop", "length", "abort" or "error"
+    accepted: list[int]  # per verification, the draft tokens it accepted
+    error: str | None = None
+
+
+class Stream:
+    """The asyncio side of one request: `events` yields lists of new token ids, then one `Finish`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.events: asyncio.Queue[list[int] | Finish] = asyncio.Queue()
+        self.request: Request | None = None  # set and read by the worker thread only
+
+    def put(self, event: list[int] | Finish) -> None:  # from the worker thread
+        self.call(self.events.put_nowait, event)
+
+    def call(self, fn, *args) -> None:
+        """Runs fn(*args) on the submitter's event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that loop is closed: nobody listens any more
+            pass
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    if future.done():  # the submitter was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: Metrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[Request, Stream] = {}
+        self._errors: dict[Request, str] = {}
+        self._deadline: float | None = None  # set by shutdown: abort what is still running after it
+        self._closed = False  # read on the asyncio side, set by `shutdown`
+        self._thread = threading.Thread(target=self._run, name="eyas-engine", daemon=True)
+
+    # ---- asyncio side -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread (once: later calls do nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    async def submit(
+        self, prompt: list[int], params: SamplingParams, max_new_tokens: int, stop_ids=frozenset()
+    ) -> Stream:
+        """Queues a request; raises ValueError when the engine rejects it, ShuttingDown after `shutdown`."""
+        if self._closed:
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        stream, added = Stream(loop), loop.create_future()
+        self._inbox.put(("add", stream, (prompt, params, max_new_tokens, stop_ids), added))
+        await added
+        return stream
+
+    def abort(self, stream: Stream, reason: str = "abort") -> None:
+        """Ends the request now with `reason` ("stop" for a stop string found in the text); its Finish still
+        arrives, with the engine's reason if it had finished already."""
+        self._inbox.put(("abort", stream, reason, None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops accepting requests, lets running ones finish for `timeout` seconds, aborts the rest, joins."""
+        self._closed = True
+        self._inbox.put(("stop", None, time.monotonic() + timeout, None))
+        self._thread.join()
+
+    # ---- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            self._take_commands(block=not engine.has_work() and self._deadline is None)
+            if self._deadline is not None:
+                if not engine.has_work():
+                    break
+                if time.monotonic() > self._deadline:
+                    for request in list(self._live):
+                        engine.abort(request)
+            if engine.has_work():
+                try:
+                    engine.step()
+                except Exception as e:  # a bad step must not take the server down
+                    log.exception("engine step failed; ending the running requests")
+                    self._fail_running(f"internal error in the engine: {type(e).__name__}: {e}")
+            self._publish()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(block=block)
+            while True:
+                self._handle(*command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, kind: str, stream: Stream | None, payload, added: asyncio.Future | None) -> None:
+        if kind == "add":
+            if self._deadline is not None:
+                stream.call(_settle, added, ShuttingDown("the server is shutting down"))
+                return
+            try:
+                stream.request = self.engine.add_request(*payload)
+            except Exception as e:  # ValueError: the request can never run
+                stream.call(_settle, added, e)
+                return
+            self._live[stream.request] = stream
+            if self.metrics:
+                self.metrics.prompt_tokens.inc(len(stream.request.prompt))
+            stream.call(_settle, added, None)
+        elif kind == "abort":
+            if stream.request is not None and not stream.request.finished:
+                stream.request.finish_reason = payload  # kept by `abort`, which frees the blocks
+                self.engine.abort(stream.request)
+        elif kind == "stop":
+            self._deadline = payload
+
+    def _fail_running(self, message: str) -> None:
+        for request in list(self.engine.running):
+            request.finish_reason = "error"  # kept by `abort`, which frees the blocks
+            self._errors[request] = message
+            self.engine.abort(request)
+
+    def _publish(self) -> None:
+        for request, stream in list(self._live.items()):
+            new = request.take_new_tokens()
+            if new:
+                stream.put(new)
+                if self.metrics:
+                    self.metrics.generation_tokens.inc(len(new))
+            if request.finished:
+                del self._live[request]
+                finish = Finish(request.finish_reason, list(request.accepted), self._errors.pop(request, None))
+                stream.put(finish)
+                if self.metrics:
+                    self.metrics.observe_finish(finish)
+        if self.metrics:
+            self.metrics.observe_engine(self.engine)

@@ -1,0 +1,321 @@
+"""The OpenAI-compatible server, end to end: the official `openai` client against uvicorn on loopback, with a
+tiny random target (6 layers of width 32, with SmolLM2's 49152-token vocabulary so that SmolLM2's real tokenizer
+and chat template work) and a tiny random EAGLE-3 head. Also bad input, stop strings, disconnects, engine
+failures and the worker's shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import socket
+import tempfile
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from eyas.common.assets import asset_path
+from eyas.common.target import TargetModel
+from eyas.data.tokenizer import load_tokenizer
+from eyas.serve.api import create_app
+from eyas.serve.engine import Engine, EngineConfig, TreeShape
+from eyas.serve.metrics import Metrics
+from eyas.serve.sampling import SamplingParams
+from eyas.serve.text import TextStream
+from eyas.serve.worker import EngineWorker, Finish, ShuttingDown
+from tests.conftest import make_hf_model
+from tests.serve.test_engine import random_head
+
+MODEL = "tiny"
+CONTEXT = 256
+QUESTION = [{"role": "user", "content": "What is speculative decoding?"}]
+
+
+@functools.cache
+def tokenizer():
+    return load_tokenizer(asset_path("smollm2-135m-instruct"))  # ~6 s: once per session
+
+
+@functools.cache
+def tiny_models() -> tuple[TargetModel, object]:
+    hf = make_hf_model("llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                       max_position_embeddings=CONTEXT)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        target = TargetModel.from_pretrained(tmp)
+    return target, random_head(target, draft_vocab=512)
+
+
+class Server:
+    """uvicorn serving the tiny models in a thread, on a free loopback port."""
+
+    def __init__(self, speculative: bool = True, num_blocks: int = 128):
+        target, head = tiny_models()
+        config = EngineConfig(speculative=speculative, tree=TreeShape(3, 2, 5), block_size=16, num_blocks=num_blocks)
+        self.metrics = Metrics()
+        self.worker = EngineWorker(Engine(target, head, config), self.metrics)
+        self.app = create_app(self.worker, tokenizer(), MODEL, self.metrics)
+        self.num_blocks = num_blocks
+
+    def __enter__(self) -> Server:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kw)
+
+    def metric(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until the engine holds no request and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        while self.metric("eyas_kv_blocks_free") != self.num_blocks or self.metric("eyas_running_requests"):
+            assert time.monotonic() < deadline, "the KV pool did not return to full"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server() as s:
+        yield s
+
+
+def extension(obj) -> dict:
+    return obj.model_extra["eyas"]
+
+
+def stream_chat(client, **kw) -> tuple[str, str, list]:
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return text, reasons[-1], chunks
+
+
+def test_chat_streamed_equals_not_streamed(server):
+    client = server.client()
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason in ("stop", "length") and full.model == MODEL
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 10
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    stats = extension(full)
+    assert stats["verify_steps"] > 0 and stats["accepted_tokens"] >= 0
+    assert stats["acceptance_length"] == pytest.approx((stats["accepted_tokens"] + stats["verify_steps"])
+                                                       / stats["verify_steps"], abs=1e-3)
+
+    streamed, reason, chunks = stream_chat(client, messages=QUESTION, max_tokens=24, temperature=0,
+                                           stream_options={"include_usage": True})
+    assert streamed == text and reason == full.choices[0].finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert extension(chunks[-1]) == stats
+
+
+def test_completion_streamed_equals_not_streamed(server):
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt="The eyas is a young hawk", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="The eyas is a young hawk", max_tokens=20,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert extension(chunks[-1]) == extension(full)  # without include_usage: on the finish chunk
+    assert full.usage.completion_tokens > 0
+
+
+def test_sampling_with_seed_is_reproducible(server):
+    client = server.client()
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    first = client.chat.completions.create(**kw).choices[0].message.content
+    assert client.chat.completions.create(**kw).choices[0].message.content == first
+    streamed, _, _ = stream_chat(client, **{k: v for k, v in kw.items() if k != "model"})
+    assert streamed == first
+
+
+def test_top_k_extension(server):
+    client = server.client()
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=1.0,
+                                         extra_body={"top_k": 1})
+    greedy = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == greedy.choices[0].message.content  # top-1 sampling is greedy
+
+
+def test_stop_strings(server):
+    client = server.client()
+    text = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=40, temperature=0).choices[0].text
+    assert len(text) > 12, text
+    stop = text[8:11]
+    expected = text[: text.index(stop)]
+    cut = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=40, temperature=0,
+                                    stop=[stop, "never-appears"])
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=40, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    server.wait_idle()
+    assert server.metric("eyas_requests_finished_total", reason="abort") == 0
+
+
+def test_models_health_metrics(server):
+    client = server.client()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    exported = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+                for s in f.samples if not s.labels}
+    assert exported["eyas_kv_blocks_free"] == server.num_blocks and exported["eyas_generation_tokens_total"] >= 4
+    assert server.metric("eyas_http_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
+    assert server.metric("eyas_generation_tokens_total") >= 4
+    assert server.metric("eyas_prompt_tokens_total") > 10
+    assert server.metric("eyas_verify_steps_total") >= 1
+    assert server.metric("eyas_acceptance_length_count") == server.metric("eyas_verify_steps_total")
+    assert server.metric("eyas_queue_depth") == 0
+
+
+LONG_PROMPT = "hawk " * (2 * CONTEXT)
+BAD = [  # (body, status, field named in the message, words in the message)
+    ("{not json", 400, None, "malformed JSON"),
+    ({"model": MODEL, "messages": QUESTION, "temprature": 0.5}, 400, "temprature", "unknown field"),
+    ({"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "temperature", "valid number"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": "8"}, 400, "max_tokens", "valid integer"),
+    ({"model": MODEL, "messages": QUESTION, "stream": 1}, 400, "stream", "valid boolean"),
+    ({"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
+    ({"model": MODEL}, 400, "messages", "required"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "role"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ({"model": MODEL, "messages": QUESTION, "max_completion_tokens": -3}, 400, "max_completion_tokens", "greater"),
+    ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n", "only n=1"),
+    ({"model": MODEL, "messages": QUESTION, "temperature": 3}, 400, "temperature", "less than or equal to 2"),
+    ({"model": MODEL, "messages": QUESTION, "top_p": 0}, 400, "top_p", "greater than 0"),
+    ({"model": MODEL, "messages": QUESTION, "stop": ["a", ""]}, 400, "stop", "non-empty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages", "context"),
+    ({"model": "gpt-4", "messages": QUESTION}, 404, "model", "does not exist"),
+    ([1, 2], 400, None, "JSON object"),
+]
+
+
+@pytest.mark.parametrize("body, status, field, words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input(server, body, status, field, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == field and words.lower() in error["message"].lower(), error
+    if field:
+        assert field in error["message"]
+
+
+def test_bad_completion_prompt(server):
+    for prompt, words in [(LONG_PROMPT, "context"), ("", "empty")]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert words in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        server.client().completions.create(model=MODEL, prompt="x", n=3)
+    r = httpx.get(f"{server.url}/v2/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    server.wait_idle()  # nothing leaked, still serving
+    assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    aborted = server.metric("eyas_requests_finished_total", reason="abort")
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.metric("eyas_kv_blocks_free") < server.num_blocks  # the request holds blocks
+    server.wait_idle()
+    assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
+
+
+def test_client_disconnect_without_streaming_aborts(server):
+    aborted = server.metric("eyas_requests_finished_total", reason="abort")
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    server.wait_idle()
+    assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
+
+
+def test_step_failure_ends_the_running_requests_only(server):
+    engine = server.worker.engine
+
+    def broken(requests):
+        del engine._decode  # fail once: later steps use the class's method again
+        raise RuntimeError("simulated kernel failure")
+
+    engine._decode = broken
+    with pytest.raises(openai.InternalServerError, match="simulated kernel failure"):
+        server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8)
+    server.wait_idle()
+    assert server.metric("eyas_requests_finished_total", reason="error") == 1
+    out = server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
+
+
+def test_speculation_off_serves_without_stats():
+    with Server(speculative=False, num_blocks=32) as off, contextlib.closing(off.client()) as client:
+        out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0)
+        assert extension(out) == {"verify_steps": 0, "accepted_tokens": 0, "acceptance_length": None}
+    with Server() as on, contextlib.closing(on.client()) as client:  # the same greedy text with speculation
+        spec = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0)
+        assert spec.choices[0].message.content == out.choices[0].message.content
+
+
+def test_text_stream_never_breaks_characters():
+    tok = tokenizer()
+    text = "Eyas 🦅 means a young hawk — jeune faucon, 幼鷹. Done."
+    ids = tok(text, add_special_tokens=False).input_ids
+    stream = TextStream(tok)
+    pieces = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == tok.decode(ids) and not any("\ufffd" in p for p in pieces)
+
+    stream = TextStream(tok, stop=["faucon"])
+    pieces = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == text[: text.index("faucon")] and stream.stopped
+    assert not any("fauc" in p for p in pieces)
+
+
+
+@pytest.mark.parametrize("grace, reason", [(30.0, "length"), (0.0, "abort")])
+def test_worker_shutdown_finishes_or_aborts_in_flight(grace, reason):
+    """Shutdown refuses new requests, lets running ones finish within the grace time (else aborts them), joins."""
+    target, head = tiny_models()
+    worker = EngineWorker(Engine(target, head, EngineConfig(block_size=16, num_blocks=32)))
+    worker.start()
+
+    async def run():
+        stream = await worker.submit([1, 2, 3], SamplingParams(temperature=0), max_new_tokens=64)
+        stopping = asyncio.create_task(asyncio.to_thread(worker.shutdown, grace))
+        tokens = 0
+        while not isinstance(event := await stream.events.get(), Finish):
+            tokens += len(event)
+        await stopping
+        with pytest.raises(ShuttingDown):
+            await worker.submit([1, 2, 3], SamplingParams(), max_new_tokens=4)
+        return event, tokens
+
+    finish, tokens = asyncio.run(run())
+    assert finish.reason == reason and (tokens == 64) == (reason == "length")
+    assert not worker._thread.is_alive() and worker.engine.pool.allocator.num_free == 32
