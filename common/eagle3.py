@@ -72,7 +72,13 @@ class Eagle3Config:
         return cls(**values)
 
     def aux_layers_for(self, target: TargetConfig) -> tuple[int, ...]:
-        return self.aux_layers if self.aux_layers is not None else target.default_aux_layers
+        layers = self.aux_layers if self.aux_layers is not None else target.default_aux_layers
+        if not all(0 <= i <= target.num_hidden_layers for i in layers):
+            raise ValueError(
+                f"aux layers {layers} do not exist in a target of {target.num_hidden_layers} layers "
+                "(the default [2, L//2, L-3] needs at least 4 layers)"
+            )
+        return layers
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str) -> Eagle3Config:

@@ -238,3 +238,13 @@ def test_eagle_head_missing_bias_is_named(tmp_path):
     (tmp_path / "head/config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="missing tensor 'fc.bias'"):
         load_draft_head(tmp_path / "head")
+
+
+def test_aux_layers_must_exist_in_the_target(hf_checkpoint):
+    from eyas.common.eagle3 import Eagle3Config
+    from eyas.common.target import TargetModel
+
+    target = TargetModel.from_pretrained(hf_checkpoint("llama")[0])  # 6 layers
+    assert Eagle3Config.for_target(target.config, 10).aux_layers_for(target.config) == (2, 3, 3)
+    with pytest.raises(ValueError, match=r"aux layers \(2, 3, 9\) do not exist"):
+        Eagle3Config.for_target(target.config, 10, aux_layers=(2, 3, 9)).aux_layers_for(target.config)
