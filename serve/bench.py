@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.common.architectures import ARCHITECTURES, random_target
 from eyas.common.assets import resolve_target
-from eyas.common.config import TargetConfig
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.hot_vocab import HotVocab
@@ -32,22 +32,6 @@ from eyas.common.target import TargetModel
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
-
-# Hugging Face configs of architectures benchmarked with random weights (step time does not depend on them).
-ARCHITECTURES = {
-    "tiny": {  # for smoke tests
-        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-    },
-    "llama-3.1-8b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    },
-}
 
 
 @dataclass
@@ -61,17 +45,6 @@ class Result:
     accept_ms: float
     tokens_per_s: float
     speedup: float = 1.0
-
-
-def random_target(arch: str, dtype: torch.dtype, device: str) -> TargetModel:
-    cfg = TargetConfig.from_hf(ARCHITECTURES[arch], source=arch)
-    with torch.device(device):
-        model = TargetModel(cfg).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    model.rotary.reset_parameters(device)
-    return model.eval()
 
 
 def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
