@@ -1,13 +1,14 @@
 """Training batches: `{"input_ids", "loss_mask", "attention_mask"}`, each [B, T] int64.
 
-Until `eyas.data` provides tokenized conversations, the trainer takes any re-iterable of such batches
-(a list, a DataLoader); `synthetic_batches` makes random ones for CI. The draft vocabulary is the most
-frequent assistant tokens of the data (`hot_vocab_from_batches`).
+The trainer reads them from a sequence (a list, or `train.data.Batches` over tokenized conversations);
+`synthetic_batches` makes random ones for CI, whose draft vocabulary is their most frequent assistant tokens
+(`hot_vocab_from_batches`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -47,21 +48,15 @@ def hot_vocab_from_batches(batches: Iterable[Batch], vocab_size: int, size: int)
     return HotVocab.from_counts(counts, min(size, vocab_size))
 
 
-def micro_batches(batches: Iterable[Batch], start: int, rank: int, world_size: int) -> Iterator[tuple[int, Batch]]:
-    """Endless (position, batch) pairs for this rank, epoch after epoch, skipping the first `start` positions.
+def micro_batches(batches: Sequence[Batch], start: int, rank: int, world_size: int) -> Iterator[tuple[int, Batch]]:
+    """Endless (position, batch) pairs for this rank, epoch after epoch, from position `start` on.
 
-    A position counts this rank's micro-batches; batch j of an epoch goes to rank j % world_size. Skipping by
-    iterating keeps a resumed run on exactly the batches the interrupted one would have seen next.
+    A position counts this rank's micro-batches; batch j of an epoch goes to rank j % world_size. Positions map
+    to batches directly, so a resumed run continues on exactly the batches the interrupted one would have seen
+    next without reading the ones before.
     """
-    position = 0
-    while True:
-        seen = False
-        for j, batch in enumerate(batches):
-            if j % world_size != rank:
-                continue
-            seen = True
-            if position >= start:
-                yield position, batch
-            position += 1
-        if not seen:
-            raise ValueError(f"no training batches for rank {rank} of {world_size}")
+    mine = range(rank, len(batches), world_size)
+    if not mine:
+        raise ValueError(f"no training batches for rank {rank} of {world_size}")
+    for position in itertools.count(start):
+        yield position, batches[mine[position % len(mine)]]

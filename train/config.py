@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from eyas.common.config import ConfigError, build_dataclass
+from eyas.data import dataset
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -43,7 +44,7 @@ class RandomTarget:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    target: str | None = None  # a local HF directory or a .gguf file
+    target: str | None = None  # a local HF directory, a .gguf file or a packaged model (smollm2-135m-instruct)
     random_target: RandomTarget | None = None
     draft_vocab_size: int = 32000  # capped at the target's vocab
     aux_layers: list[int] | None = None  # layers the fused streams enter; None: [2, L//2, L-3]
@@ -68,9 +69,27 @@ class SyntheticData:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    synthetic: SyntheticData | None = None  # None: batches are passed to `train` (until eyas.data lands)
+@dataclass
+class DataConfig(dataset.DataConfig):
+    """Conversations (a file, or a packaged data set such as `sharegpt`) or synthetic rows. The inherited
+    fields (max_length, format, num_proc, cache_dir) say how `eyas.data.dataset.build_dataset` tokenizes."""
+
+    path: str | None = None  # a ShareGPT JSON / messages JSONL / UltraChat file, or a packaged asset name
+    synthetic: SyntheticData | None = None
+    tokenizer: str | None = None  # a target path or packaged model name; None: the target's (needed for random_target)
+    max_bytes: int | None = None  # read only the file's first bytes (a quick subset of a large file)
+    max_conversations: int | None = None  # then keep at most this many rows (after tokenizing)
+    eval_fraction: float = 0.0  # rows held out for evaluation (a seeded random choice)
+    batch_size: int = 1  # rows per micro-batch, grouped by similar length
+    bucket: int = 32  # length-sort windows of `bucket` micro-batches each, to keep padding low
+    pad_multiple: int = 1  # pad micro-batches to a multiple of this length: CPU bf16 kernels are built per shape
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.path is not None and self.synthetic is not None:
+            raise ValueError("set at most one of 'path' and 'synthetic' (neither: batches are passed to `train`)")
+        if not 0 <= self.eval_fraction < 1 or min(self.batch_size, self.bucket, self.pad_multiple) < 1:
+            raise ValueError("need 0 <= eval_fraction < 1 and batch_size, bucket, pad_multiple >= 1")
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,7 @@ class LoggingConfig:
     wandb_project: str | None = None  # None: no wandb
     wandb_mode: str = "offline"
     run_name: str | None = None
+    eval_every: int = 0  # optimizer steps between held-out evaluations (also before the first and after the last)
 
 
 @dataclass(frozen=True)

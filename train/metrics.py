@@ -1,9 +1,12 @@
-"""Per-step training metrics: `<output>/metrics.jsonl` (one JSON object per optimizer step), optional wandb.
+"""Training metrics: `<output>/metrics.jsonl` (one JSON object per optimizer step or evaluation), optional wandb.
 
-    {"step": 3, "loss": 4.1, "lr": 1e-4, "grad_norm": 0.9, "acc": [0.41, 0.22, ...], "tau": 1.6, "tokens": 64}
+    {"step": 3, "split": "train", "loss": 4.1, "lr": 1e-4, "grad_norm": 0.9, "acc": [0.41, 0.22, ...], "tau": 1.6,
+     "tokens": 64}
+    {"step": 100, "split": "eval", "loss": 3.2, "acc": [0.52, 0.31, ...], "tau": 1.9, "tokens": 20480}
 
 `acc[i]` is step i's draft accuracy over the counted tokens of the whole optimizer step (all micro-batches
-and ranks), `tau` the acceptance length it implies (`ttt.acceptance_length`): what serving should see.
+and ranks), `tau` the acceptance length it implies (`ttt.acceptance_length`): what serving should see. Eval lines
+measure the same on held-out conversations after step `step` (step 0: the untrained head).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            acc = {f"acc/{i}": a for i, a in enumerate(record["acc"])}
-            self.wandb.log({k: v for k, v in record.items() if k != "acc"} | acc, step=record["step"])
+            prefix = "eval/" if record["split"] == "eval" else ""
+            values = {k: v for k, v in record.items() if k not in ("acc", "split", "step")}
+            values |= {f"acc/{i}": a for i, a in enumerate(record["acc"])}
+            self.wandb.log({prefix + k: v for k, v in values.items()}, step=record["step"])
 
     def close(self) -> None:
         if self.wandb is not None:

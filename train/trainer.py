@@ -7,22 +7,26 @@
 One optimizer step = `optim.grad_accum` micro-batches per rank. Per micro-batch: the target runs without
 gradient and yields the residual streams entering `aux_layers` ([B, T, 3·Ht]) and its logits ([B, T, V]);
 `ttt_loss` unrolls the head over them; DeepSpeed owns backward, accumulation, clipping, the ZeRO-partitioned
-AdamW step and the warmup + cosine schedule. Outputs under `<output>/`:
+AdamW step and the warmup + cosine schedule. Data: `data.path` (tokenized conversations, train.data) or
+`data.synthetic`; with `data.eval_fraction`, the held-out rows are evaluated before training, every
+`logging.eval_every` steps and at the end. Outputs under `<output>/`:
 
     recipe.yaml          the recipe as run
-    metrics.jsonl        one line per optimizer step (train.metrics)
+    metrics.jsonl        one line per optimizer step, one per held-out evaluation (train.metrics)
     checkpoints/step_N/  every `checkpoint.every` steps (train.checkpoint); a rerun resumes from the latest
-    final/               the head, SGLang/vLLM EAGLE-3 layout (save_eagle3)
+    final/               the head, SGLang/vLLM EAGLE-3 layout (save_eagle3), and eval.json: its held-out metrics
     final-speculators/   the head, vLLM speculators layout
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import deepspeed
@@ -34,16 +38,19 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from eyas.common.assets import resolve_target
 from eyas.common.attention import CausalAttention, MaskedAttention
 from eyas.common.config import TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import export_speculators, save_eagle3
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
+from eyas.data.tokenizer import load_tokenizer
 
 from . import checkpoint
 from .batches import Batch, hot_vocab_from_batches, micro_batches, synthetic_batches
 from .config import ModelConfig, RandomTarget, TrainRecipe
+from .data import TrainData, load_data
 from .metrics import MetricsLog
 from .optim import build_optimizer, deepspeed_config
 from .ttt import TTTOutput, ttt_loss
@@ -84,7 +91,7 @@ def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> T
         target = build_random_target(cfg.random_target).to(dtype=dtype, device=device)
         target.rotary.reset_parameters(device)  # inv_freq stays fp32
     else:
-        target = TargetModel.from_pretrained(cfg.target, dtype=dtype, device=device)
+        target = TargetModel.from_pretrained(resolve_target(cfg.target), dtype=dtype, device=device)
     return target.requires_grad_(False).eval()
 
 
@@ -147,21 +154,70 @@ def _atomic_export(path: Path, write) -> None:
 
 
 def _verifier_architectures(cfg: ModelConfig) -> list[str]:
-    config = Path(cfg.target or "") / "config.json"
-    return read_json(config).get("architectures", ["LlamaForCausalLM"]) if config.is_file() else ["LlamaForCausalLM"]
+    config = resolve_target(cfg.target) / "config.json" if cfg.target else None
+    if config is None or not config.is_file():  # a random target or a .gguf file
+        return ["LlamaForCausalLM"]
+    return read_json(config).get("architectures", ["LlamaForCausalLM"])
+
+
+def _prepare_data(recipe: TrainRecipe, vocab_size: int, rank: int) -> TrainData:
+    """Tokenized conversations (rank 0 fills `datasets`' cache first, the other ranks then read it)."""
+    cfg = recipe.data
+    source = cfg.tokenizer or recipe.model.target
+    if source is None:
+        raise ValueError("data.path with model.random_target needs data.tokenizer (a target whose tokenizer to use)")
+    if rank != 0:
+        dist.barrier()
+    data = load_data(cfg, load_tokenizer(resolve_target(source)), vocab_size, recipe.model.draft_vocab_size,
+                     recipe.seed)
+    if rank == 0:
+        dist.barrier()
+    return data
+
+
+def _summary(totals: Tensor, steps: int, micro_batches: int) -> dict:
+    """totals = [Σ loss, correct per unroll step [k], counted per unroll step [k]] summed over micro-batches."""
+    acc = (totals[1 : 1 + steps] / totals[1 + steps :].clamp(min=1)).tolist()
+    return {"loss": float(totals[0]) / max(micro_batches, 1), "acc": acc,
+            "tau": 1 + float(np.cumprod(acc).sum()),  # ttt.acceptance_length over all of them
+            "tokens": int(totals[1 + steps])}
+
+
+def _totals(out: TTTOutput) -> Tensor:
+    count = out.per_step_count.double()
+    return torch.cat([out.loss.detach().double()[None], out.per_step_acc.double() * count, count])
+
+
+@torch.no_grad()
+def evaluate(module: TTTModule, target: TargetModel, batches: Sequence[Batch], aux_layers: tuple[int, ...],
+             rank: int, world_size: int) -> dict:
+    """Per-step accuracy, τ and loss of the head on held-out batches (split over ranks), as `_summary` gives."""
+    device = target.embed_tokens.weight.device
+    totals = torch.zeros(1 + 2 * module.steps, dtype=torch.float64, device=device)
+    mine = range(rank, len(batches), world_size)
+    for j in mine:
+        batch = {k: v.to(device) for k, v in batches[j].items()}
+        aux, logits = target_forward(target, batch, aux_layers)
+        totals += _totals(module(target.embed_tokens.weight, batch["input_ids"], aux, logits, batch["loss_mask"],
+                                 batch["attention_mask"]))
+    n = torch.tensor([len(mine)], device=device)
+    if world_size > 1:
+        dist.all_reduce(totals)
+        dist.all_reduce(n)
+    return _summary(totals, module.steps, int(n))
 
 
 def train(
     recipe: TrainRecipe,
     output: str | Path,
-    batches: Iterable[Batch] | None = None,
+    batches: Sequence[Batch] | None = None,
     hot_vocab: HotVocab | None = None,
 ) -> Path | None:
     """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it.
 
-    batches: a re-iterable of {"input_ids", "loss_mask", "attention_mask"} [B, T] int64 (read once per epoch;
-    batch j goes to rank j % world size); None: the recipe's `data.synthetic`. hot_vocab: None derives it from
-    the batches' assistant-token counts.
+    batches: a sequence of {"input_ids", "loss_mask", "attention_mask"} [B, T] int64 (batch j of an epoch goes
+    to rank j % world size); None: the recipe's data (`data.path` or `data.synthetic`). hot_vocab: None takes
+    the data's most frequent assistant tokens.
     """
     output = Path(output)
     rank, local_rank, world_size = _init_distributed()
@@ -169,19 +225,24 @@ def train(
     device = torch.device(get_accelerator().device_name(local_rank))
     bf16 = recipe.model.precision == "bf16" or (recipe.model.precision == "auto" and device.type == "cuda")
     _seed(recipe.seed)
+    started = time.perf_counter()
 
     target = load_target(recipe.model, torch.bfloat16 if bf16 else torch.float32, device)
     vocab_size = target.config.vocab_size
-    if batches is None:
+    eval_batches = None
+    if batches is None and recipe.data.path is not None:
+        data = _prepare_data(recipe, vocab_size, rank)
+        batches, eval_batches, hot_vocab = data.train, data.eval, hot_vocab or data.hot
+    elif batches is None:
         if recipe.data.synthetic is None:
-            raise ValueError("no training data: set data.synthetic in the recipe or pass batches")
+            raise ValueError("no training data: set data.path or data.synthetic in the recipe, or pass batches")
         batches = synthetic_batches(recipe.data.synthetic, vocab_size)
     hot = hot_vocab or hot_vocab_from_batches(batches, vocab_size, recipe.model.draft_vocab_size)
     head = build_head(recipe.model, target, hot)
     aux_layers = head.config.aux_layers_for(target.config)
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
-    micro_batch_size = next(iter(batches))["input_ids"].shape[0]
+    micro_batch_size = batches[0]["input_ids"].shape[0]
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=schedule,
         config=deepspeed_config(recipe, micro_batch_size, bf16),
@@ -197,12 +258,24 @@ def train(
         output.mkdir(parents=True, exist_ok=True)
         (output / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         log = MetricsLog(output / "metrics.jsonl", recipe.logging, recipe.to_dict(), resume_step=step)
+
+    def run_eval() -> dict:
+        result = {"step": step, "split": "eval"} | evaluate(engine.module, target, eval_batches, aux_layers, rank,
+                                                              world_size)
+        if rank == 0:
+            log.log(result)
+            tqdm.write(f"eval step {step}: tau {result['tau']:.3f} acc {[round(a, 3) for a in result['acc']]}")
+        return result
+
+    if eval_batches is not None and step == 0:
+        run_eval()  # the untrained head: the baseline
     bar = tqdm(total=recipe.optim.total_steps, initial=step, disable=rank != 0 or not recipe.logging.progress,
                desc="train-eagle")
 
     data = micro_batches(batches, position, rank, world_size)
     embed = target.embed_tokens.weight
     steps = recipe.ttt.steps
+    seen = 0  # real tokens through the target in this process
     while step < recipe.optim.total_steps:
         # Sums over this optimizer step's micro-batches: loss, then per unroll step correct and counted tokens.
         totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
@@ -211,35 +284,41 @@ def train(
             position, batch = next(data)
             position += 1
             batch = {k: v.to(device) for k, v in batch.items()}
+            seen += int(batch["attention_mask"].sum())
             aux, logits = target_forward(target, batch, aux_layers)
             out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
             engine.backward(out.loss)
             engine.step()
-            count = out.per_step_count.double()
-            totals += torch.cat([out.loss.detach().double()[None], out.per_step_acc.double() * count, count])
+            totals += _totals(out)
         step += 1
         if world_size > 1:
             dist.all_reduce(totals)
-        loss = float(totals[0]) / (recipe.optim.grad_accum * world_size)
-        acc = (totals[1 : 1 + steps] / totals[1 + steps :].clamp(min=1)).tolist()
-        tau = 1 + float(np.cumprod(acc).sum())  # ttt.acceptance_length over the whole step
+        summary = _summary(totals, steps, recipe.optim.grad_accum * world_size)
         grad_norm = engine.get_global_grad_norm()
         if rank == 0:
             log.log({
-                "step": step, "loss": loss,
+                "step": step, "split": "train", "loss": summary["loss"],
                 "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "acc": acc, "tau": tau, "tokens": int(totals[1 + steps]),
+                "acc": summary["acc"], "tau": summary["tau"], "tokens": summary["tokens"],
             })
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{tau:.2f}")
+            bar.set_postfix(loss=f"{summary['loss']:.3f}", tau=f"{summary['tau']:.2f}")
+        every = recipe.logging.eval_every
+        if eval_batches is not None and every and step % every == 0 and step < recipe.optim.total_steps:
+            run_eval()
         if recipe.checkpoint.every and step % recipe.checkpoint.every == 0:
             checkpoint.save(engine, ckpt_root, step, position, recipe.checkpoint.keep_last)
         if recipe.checkpoint.stop_after is not None and step >= recipe.checkpoint.stop_after:
             break
     bar.close()
+    done = step == recipe.optim.total_steps
+    final_eval = run_eval() if done and eval_batches is not None else None
     if rank == 0:
         log.close()
-    if step < recipe.optim.total_steps:
+        seconds = time.perf_counter() - started
+        tqdm.write(f"train-eagle: ~{seen * world_size} tokens in {seconds:.0f} s since the start, loading and "
+                   f"evaluation included ({seen * world_size / seconds:.1f} tokens/s)")
+    if not done:
         return None
 
     final, head = output / "final", engine.module.head
@@ -249,6 +328,8 @@ def train(
             head, p, verifier=recipe.model.target or "random-target",
             verifier_architectures=_verifier_architectures(recipe.model), speculative_tokens=steps,
         ))
+        if final_eval is not None:
+            (final / "eval.json").write_text(json.dumps(final_eval, indent=1) + "\n")
     if world_size > 1:
         dist.barrier()
     return final
