@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from eyas.common.architectures import ARCHITECTURES
 from eyas.common.config import ConfigError, build_dataclass
 from eyas.data import dataset
 
@@ -46,14 +47,17 @@ class RandomTarget:
 class ModelConfig:
     target: str | None = None  # a local HF directory, a .gguf file or a packaged model (smollm2-135m-instruct)
     random_target: RandomTarget | None = None
+    random_arch: str | None = None  # a named architecture (eyas.common.architectures) with random weights: benchmarks
     draft_vocab_size: int = 32000  # capped at the target's vocab
     aux_layers: list[int] | None = None  # layers the fused streams enter; None: [2, L//2, L-3]
     init_from_target: bool = True  # lm_head rows and final norm copied from the target (trainer.init_from_target)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bf16 or fp32
 
     def __post_init__(self):
-        if (self.target is None) == (self.random_target is None):
-            raise ValueError("set exactly one of 'target' and 'random_target'")
+        if sum(x is not None for x in (self.target, self.random_target, self.random_arch)) != 1:
+            raise ValueError("set exactly one of 'target', 'random_target' and 'random_arch'")
+        if self.random_arch is not None and self.random_arch not in ARCHITECTURES:
+            raise ValueError(f"random_arch {self.random_arch!r} is not one of {sorted(ARCHITECTURES)}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
 

@@ -38,6 +38,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from eyas.common.architectures import random_target
 from eyas.common.assets import resolve_target
 from eyas.common.attention import CausalAttention, MaskedAttention
 from eyas.common.config import TargetConfig, read_json
@@ -90,6 +91,8 @@ def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> T
     if cfg.random_target is not None:
         target = build_random_target(cfg.random_target).to(dtype=dtype, device=device)
         target.rotary.reset_parameters(device)  # inv_freq stays fp32
+    elif cfg.random_arch is not None:
+        target = random_target(cfg.random_arch, dtype, device)
     else:
         target = TargetModel.from_pretrained(resolve_target(cfg.target), dtype=dtype, device=device)
     return target.requires_grad_(False).eval()
@@ -277,6 +280,7 @@ def train(
     steps = recipe.ttt.steps
     seen = 0  # real tokens through the target in this process
     while step < recipe.optim.total_steps:
+        step_started = time.perf_counter()
         # Sums over this optimizer step's micro-batches: loss, then per unroll step correct and counted tokens.
         totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
         lr = schedule.get_last_lr()[0]  # the lr of this step's update (the schedule advances after it)
@@ -300,6 +304,8 @@ def train(
                 "step": step, "split": "train", "loss": summary["loss"],
                 "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                 "acc": summary["acc"], "tau": summary["tau"], "tokens": summary["tokens"],
+                # wall time of the step (the metrics' all-reduce and .tolist() synchronise the device)
+                "seconds": time.perf_counter() - step_started,
             })
             bar.update(1)
             bar.set_postfix(loss=f"{summary['loss']:.3f}", tau=f"{summary['tau']:.2f}")

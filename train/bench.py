@@ -1,0 +1,93 @@
+"""Training throughput of the real trainer step: tokens/s per GPU and model FLOPs utilisation.
+
+    python -m eyas.train.bench --recipe bench-llama3.1-8b        # one GPU
+    deepspeed --num_gpus 8 --module eyas.train.bench --recipe bench-llama3.1-8b
+
+Runs `train` with the recipe (synthetic rows of fixed length) and reads the per-step wall times it logs;
+the first `--warmup` steps are left out. Model FLOPs per input token, counting matrix products only (the
+FLOPs a perfect implementation must do; masked-out attention scores are not counted):
+  target forward   2·P_t + 2·L·T·Hq            (P_t: non-embedding weights incl. lm_head; causal QK^T and PV)
+  head, k steps    6·(k·P_h + P_fc) + k·6·T·Hq  (P_h: the layer + lm_head, fc once; fwd + bwd, causal part)
+MFU = achieved FLOP/s over the dense bf16 peak given (default 989 TFLOP/s, an H100/H200 SXM datasheet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from eyas.common.architectures import ARCHITECTURES
+from eyas.common.assets import resolve_target
+from eyas.common.checkpoint import target_config
+from eyas.common.config import TargetConfig
+from eyas.common.eagle3 import Eagle3Config
+
+from .config import load_recipe
+from .trainer import train
+
+
+def flops_per_token(target_cfg, head_cfg, seq_len: int, steps: int) -> float:
+    H, L = target_cfg.hidden_size, target_cfg.num_hidden_layers
+    q = target_cfg.num_attention_heads * target_cfg.head_dim
+    kv = target_cfg.num_key_value_heads * target_cfg.head_dim
+    layer = H * (q + 2 * kv) + q * H + 3 * H * target_cfg.intermediate_size
+    target = 2 * (L * layer + H * target_cfg.vocab_size) + 2 * 2 * L * (seq_len / 2) * q  # + QK^T and PV
+    h = head_cfg.hidden_size
+    hq = head_cfg.num_attention_heads * head_cfg.head_dim
+    hkv = head_cfg.num_key_value_heads * head_cfg.head_dim
+    head_layer = 2 * h * (hq + 2 * hkv) + hq * h + 3 * h * head_cfg.intermediate_size
+    per_step = head_layer + h * head_cfg.draft_vocab_size
+    fc = 3 * head_cfg.target_hidden_size * h
+    attention = 3 * 2 * 2 * (seq_len / 2) * hq  # forward + backward (2x) of the causal part
+    return target + 6 * (steps * per_step + fc) + steps * attention
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eyas.train.bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--recipe", default="bench-llama3.1-8b")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--output", type=Path, help="run directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.set)
+    synthetic = recipe.data.synthetic
+    if synthetic is None:
+        parser.error("the benchmark needs a recipe with synthetic rows of fixed length")
+    if recipe.model.random_arch is not None:
+        target_cfg = TargetConfig.from_hf(ARCHITECTURES[recipe.model.random_arch], source=recipe.model.random_arch)
+    elif recipe.model.target is not None:
+        target_cfg = target_config(resolve_target(recipe.model.target))
+    else:
+        parser.error("the benchmark needs model.random_arch or model.target")
+    head_cfg = Eagle3Config.for_target(target_cfg, min(recipe.model.draft_vocab_size, target_cfg.vocab_size))
+    with tempfile.TemporaryDirectory() as tmp:
+        output = args.output or Path(tmp)
+        train(recipe, output)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        lines = (output / "metrics.jsonl").read_text().splitlines()
+    seconds = [r["seconds"] for r in map(json.loads, lines) if r["split"] == "train"][args.warmup :]
+    step = statistics.median(seconds)
+    tokens_per_gpu = synthetic.batch_size * synthetic.seq_len * recipe.optim.grad_accum / step
+    flops = flops_per_token(target_cfg, head_cfg, synthetic.seq_len, recipe.ttt.steps)
+    tflops = flops * tokens_per_gpu / 1e12
+    result = {
+        "recipe": args.recipe, "seq_len": synthetic.seq_len, "ttt_steps": recipe.ttt.steps,
+        "median_step_s": step, "tokens_per_s_per_gpu": tokens_per_gpu, "gflop_per_token": flops / 1e9,
+        "tflops_per_gpu": tflops, "mfu": tflops / args.peak_tflops, "peak_tflops": args.peak_tflops,
+        "measured_steps": len(seconds),
+    }
+    print(json.dumps(result))
+    print(f"{tokens_per_gpu:,.0f} tokens/s per GPU, {flops / 1e9:.1f} GFLOP/token, {tflops:.0f} TFLOP/s, "
+          f"MFU {100 * result['mfu']:.1f}% of {args.peak_tflops:.0f} (median of {len(seconds)} steps of {step:.3f} s)")
+
+
+if __name__ == "__main__":
+    main()
