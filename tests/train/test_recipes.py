@@ -63,7 +63,7 @@ def test_bad_file_names_file_and_key(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.yaml: optim: field 'betas'"):
         load_recipe(path)
     path.write_text("model: {target: /x, random_target: {}}\n")
-    with pytest.raises(ConfigError, match="exactly one of 'target' and 'random_target'"):
+    with pytest.raises(ConfigError, match="exactly one of 'target', 'random_target' and 'random_arch'"):
         load_recipe(path)
 
 
