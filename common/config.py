@@ -125,6 +125,41 @@ class RopeConfig:
         return {"rope_theta": self.theta, "rope_scaling": scaling}
 
 
+def read_layer_fields(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The Llama decoder-layer fields of an HF config.json (targets and heads alike), with HF's defaults:
+    `num_key_value_heads` = heads, `head_dim` = hidden / heads. Types are checked by `build_dataclass`."""
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    values = {k: cfg[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
+        "max_position_embeddings",
+    ) if k in cfg}
+    values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
+    if cfg.get("head_dim") is not None:
+        values["head_dim"] = cfg["head_dim"]
+    elif isinstance(hidden, int) and isinstance(heads, int) and heads:
+        values["head_dim"] = hidden // heads
+    values["rope"] = RopeConfig.from_hf(cfg, source)
+    return values
+
+
+def write_layer_fields(c: Any) -> dict[str, Any]:
+    """The inverse of `read_layer_fields` for a config object carrying those fields (the heads' config.json)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": False,
+        **c.rope.to_hf(),
+    }
+
+
 # Family traits by HF `model_type`: the only place that looks at the name.
 #   qkv_bias: q/k/v projections have a bias; o_bias: o_proj has one; qk_norm: RMSNorm on q and k per head.
 _FAMILIES: dict[str, dict[str, Any]] = {
@@ -181,17 +216,9 @@ class TargetConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-        heads = cfg.get("num_attention_heads")
-        values = {k: cfg[k] for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "mlp_bias",
-        ) if k in cfg}
+        values = read_layer_fields(cfg, source)
+        values.update({k: cfg[k] for k in ("num_hidden_layers", "tie_word_embeddings", "mlp_bias") if k in cfg})
         values["model_type"] = model_type
-        values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
-        if cfg.get("head_dim") is not None:
-            values["head_dim"] = cfg["head_dim"]
-        elif isinstance(cfg.get("hidden_size"), int) and isinstance(heads, int) and heads:
-            values["head_dim"] = cfg["hidden_size"] // heads
         bias = cfg.get("attention_bias", False)
         values.update(qkv_bias=bias, o_bias=bias)
         values.update(_FAMILIES[model_type])
@@ -199,7 +226,6 @@ class TargetConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         if isinstance(window, int) and isinstance(values.get("max_position_embeddings"), int):
             values["max_position_embeddings"] = min(values["max_position_embeddings"], window)
-        values["rope"] = RopeConfig.from_hf(cfg, source)
         return build_dataclass(cls, values, source=source)
 
     @classmethod

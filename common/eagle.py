@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import AttentionMetadata
-from .config import ConfigError, RopeConfig, build_dataclass
+from .config import ConfigError, RopeConfig, build_dataclass, read_layer_fields, write_layer_fields
 from .hot_vocab import HotVocab
 from .layers import MLP, Attention, RMSNorm, Rotary
 from .target import TargetOutput
@@ -49,37 +49,19 @@ class EagleConfig:
             raise ConfigError(
                 f"{source}: field 'architectures' is {cfg.get('architectures')!r}; expected ['{EAGLE_ARCHITECTURE}']"
             )
-        heads = cfg.get("num_attention_heads")
-        values = {k: cfg[k] for k in (
-            "hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps",
-            "max_position_embeddings", "vocab_size", "num_hidden_layers",
-        ) if k in cfg}
-        values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
-        values["head_dim"] = cfg.get("head_dim") or (
-            cfg["hidden_size"] // heads if isinstance(cfg.get("hidden_size"), int) and isinstance(heads, int) else None
-        )
+        values = read_layer_fields(cfg, source)
+        if "num_hidden_layers" in cfg:
+            values["num_hidden_layers"] = cfg["num_hidden_layers"]
         if "bias" in cfg:
             values["fc_bias"] = cfg["bias"]
-        values["rope"] = RopeConfig.from_hf(cfg, source)
         return build_dataclass(cls, values, source=source)
 
     def to_hf(self) -> dict[str, Any]:
         return {
             "architectures": [EAGLE_ARCHITECTURE],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
+            **write_layer_fields(self),
             "num_hidden_layers": self.num_hidden_layers,
-            "vocab_size": self.vocab_size,
             "bias": self.fc_bias,
-            "tie_word_embeddings": False,
-            **self.rope.to_hf(),
         }
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import AttentionMetadata
-from .config import ConfigError, RopeConfig, TargetConfig, build_dataclass
+from .config import ConfigError, RopeConfig, TargetConfig, build_dataclass, read_layer_fields, write_layer_fields
 from .hot_vocab import HotVocab
 from .layers import MLP, Attention, RMSNorm, Rotary
 from .target import TargetOutput
@@ -90,18 +90,11 @@ class Eagle3Config:
             )
         if cfg.get("num_hidden_layers", 1) != 1:
             raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an EAGLE-3 head")
-        heads = cfg.get("num_attention_heads")
-        values = {k: cfg[k] for k in (
-            "hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps",
-            "max_position_embeddings", "vocab_size", "norm_before_residual",
-        ) if k in cfg}
-        values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
-        values["head_dim"] = cfg.get("head_dim") or (
-            cfg["hidden_size"] // heads if isinstance(cfg.get("hidden_size"), int) and isinstance(heads, int) else None
-        )
+        values = read_layer_fields(cfg, source)
+        if "norm_before_residual" in cfg:
+            values["norm_before_residual"] = cfg["norm_before_residual"]
         values["draft_vocab_size"] = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
         values["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
-        values["rope"] = RopeConfig.from_hf(cfg, source)
         # Engines disagree on what an explicit layer id means. SGLang reads the nested
         # `eagle_config.eagle_aux_hidden_state_layer_ids` as layers whose *output* is captured (it taps
         # the stream entering id + 1); vLLM/speculators read a top-level list as the layers the stream
@@ -117,20 +110,9 @@ class Eagle3Config:
     def to_hf(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
             "architectures": [EAGLE3_ARCHITECTURE],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
+            **write_layer_fields(self),
             "num_hidden_layers": 1,
-            "tie_word_embeddings": False,
-            "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
-            **self.rope.to_hf(),
         }
         if self.target_hidden_size != self.hidden_size:
             cfg["target_hidden_size"] = self.target_hidden_size
