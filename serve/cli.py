@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
+    parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
+                        help="share of the GPU memory left after loading that the KV cache takes")
+    parser.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size,
+                        help="requests decoded together at most; more wait in the queue")
     args = parser.parse_args(argv)
     try:
         args.tree = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     head = None
     if args.speculative == "on":
         head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
-    engine = Engine(target, head, EngineConfig(speculative=head is not None, tree=args.tree))
+    engine = Engine(target, head, EngineConfig(speculative=head is not None, tree=args.tree,
+                                               mem_fraction=args.mem_fraction, max_batch_size=args.max_batch_size))
     metrics = Metrics(max_accept=args.tree.num_draft_tokens)
     name = args.model_name or model_name(args.target, path)
     app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name, metrics)

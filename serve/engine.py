@@ -51,6 +51,12 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # chunk size of prefills
     profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
 
+    def __post_init__(self):
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if min(self.block_size, self.max_batch_size, self.max_prefill_tokens, self.cpu_kv_tokens) < 1:
+            raise ValueError("block_size, max_batch_size, max_prefill_tokens and cpu_kv_tokens must be positive")
+
 
 @dataclass(eq=False)
 class Request:

@@ -138,3 +138,20 @@ def test_served_acceptance_matches_training(target, trained):
     accepted = [a for r in requests for a in r.accepted]
     served_tau = 1 + sum(accepted) / len(accepted)
     assert tau > 1.3 and abs(served_tau - tau) < 0.25, (served_tau, tau)
+
+
+def test_eagle1_head_with_token_map_equals_target_greedy(target, tmp_path):
+    """An EAGLE-1/2 head (the target's lm_head restricted by an FR-Spec map) through the same engine."""
+    from eyas.common.eagle import EagleConfig, EagleHead
+
+    cfg = target.config
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                 cfg.intermediate_size, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.vocab_size),
+                     HotVocab(torch.randperm(cfg.vocab_size)[:100], cfg.vocab_size)).eval()
+    head.attach_lm_head(target.lm_head_weight)
+    ps = prompts(4, cfg.vocab_size, seed=4)
+    engine = Engine(target, head, EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=256))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=16)
+    assert [r.output for r in requests] == [list(greedy_tokens(target, p, 16)) for p in ps]
+    assert all(len(r.accepted) > 0 for r in requests)
