@@ -5,6 +5,7 @@
     serve-eagle --target path/to/Llama-3.1-8B-Instruct --draft path/to/eagle3-head \\
         --num-steps 5 --topk 8 --num-draft-tokens 32 --host 0.0.0.0 --port 8000 --dtype bfloat16
     serve-eagle --target model.gguf --draft eagle-head --token-map freq_32768.pt   # EAGLE-1/2 + FR-Spec map
+    serve-eagle --recipe smollm2-135m --port 9000      # recipes/serve/smollm2-135m.yaml; flags override it
 
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 from eyas.common.assets import DEFAULT_TARGET, resolve_target
 from eyas.common.head_checkpoint import load_draft_head
@@ -34,6 +36,26 @@ from .worker import EngineWorker
 QUICKSTART_HEAD = Path("runs/quickstart/final")
 QUICKSTART_COMMAND = "train-eagle --recipe quickstart --output runs/quickstart"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SERVE_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "serve"
+
+
+def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A serving recipe (a path, or a name in recipes/serve/) as command-line flags: its keys are the flags'
+    names with underscores (`num_steps: 5` is `--num-steps 5`); an unknown key is an error naming it."""
+    path = Path(recipe) if Path(recipe).exists() else SERVE_RECIPES / f"{recipe}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml"))
+        parser.error(f"--recipe {recipe!r}: no such file, nor a serving recipe (known: {known})")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        parser.error(f"{path}: expected a mapping of flag names to values")
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+    args = []
+    for key, value in values.items():
+        if key not in flags or key in ("help", "recipe"):
+            parser.error(f"{path}: unknown key {key!r}; known keys: {sorted(set(flags) - {'help', 'recipe'})}")
+        args += [flags[key], str(value)]
+    return args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="share of the GPU memory left after loading that the KV cache takes")
     parser.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size,
                         help="requests decoded together at most; more wait in the queue")
+    parser.add_argument("--recipe", help="a serving recipe (YAML of these flags; flags given here override it)")
+    argv = sys.argv[1:] if argv is None else argv
+    known, _ = parser.parse_known_args(argv)
+    if known.recipe:
+        argv = recipe_arguments(known.recipe, parser) + argv
     args = parser.parse_args(argv)
     try:
         args.tree = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)

@@ -1,0 +1,25 @@
+"""serve-eagle's arguments: serving recipes map onto its flags, flags given override them, unknown keys fail."""
+
+import pytest
+
+from eyas.serve.cli import SERVE_RECIPES, parse_args
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml")))
+def test_every_serving_recipe_loads(recipe):
+    args = parse_args(["--recipe", recipe])
+    assert args.tree.num_draft_tokens >= 2
+
+
+def test_flags_override_the_recipe():
+    args = parse_args(["--recipe", "smollm2-135m", "--port", "9100", "--topk", "2", "--num-draft-tokens", "8"])
+    assert (args.port, args.tree.num_steps, args.tree.topk, args.tree.num_draft_tokens) == (9100, 5, 2, 8)
+    assert str(args.draft) == "runs/quickstart/final"
+
+
+def test_unknown_recipe_key_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: x\nnum_stepz: 3\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--recipe", str(bad)])
+    assert "unknown key 'num_stepz'" in capsys.readouterr().err
