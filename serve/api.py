@@ -16,9 +16,10 @@ matched on the decoded text; the output ends before the stop string, with finish
 
 Every response, and the last chunk of a stream, carries an extension field on speculative decoding:
 
-    "eyas": {"verify_steps": 12, "accepted_tokens": 25, "acceptance_length": 3.08}
+    "eyas": {"verify_steps": 12, "accepted_tokens": 25, "acceptance_length": 3.08, "accepted_per_step": [3, 1, ...]}
 
-verify_steps: target verification passes of this request; accepted_tokens: draft tokens they accepted;
+verify_steps: target verification passes of this request; accepted_tokens: draft tokens they accepted
+(accepted_per_step: how many at each verification, for per-position acceptance rates);
 acceptance_length: tokens per verification, (accepted_tokens + verify_steps) / verify_steps, the bonus token
 counted, or null with no verification (speculation off, or the answer ended at its first token).
 
@@ -204,7 +205,8 @@ class Generation:
     def stats(self) -> dict:
         steps, accepted = len(self.finish.accepted), sum(self.finish.accepted)
         return {"verify_steps": steps, "accepted_tokens": accepted,
-                "acceptance_length": round((accepted + steps) / steps, 4) if steps else None}
+                "acceptance_length": round((accepted + steps) / steps, 4) if steps else None,
+                "accepted_per_step": self.finish.accepted}
 
 
 def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_name: str,

@@ -5,7 +5,9 @@
     eval-eagle --target T --draft D --bench prompts.jsonl        # {"prompt": str} or {"messages": [...]} per line
 
 In-process: every question runs with speculation on (the given tree) and, in the same run, off, so the
-speedup is measured, not assumed. MT-bench runs both turns; the second turn follows the model's own first
+speedup is measured, not assumed. Against a running `serve-eagle` (`--endpoint URL`), acceptance comes from
+each response's `eyas` field; give `--endpoint-off URL` (the same target with `--speculative off`) for the
+speedup. MT-bench runs both turns; the second turn follows the model's own first
 answer. No system message is added (the chat template's default applies), as in training.
 
 Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
@@ -24,6 +26,7 @@ import gzip
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,32 +104,78 @@ class RunResult:
         return sum(self.new_tokens) / self.seconds
 
 
-def run_questions(engine: Engine, tokenizer, questions: list[list[str]], params: SamplingParams,
-                  max_new_tokens: int, desc: str) -> RunResult:
-    """Answers every question turn by turn, one question at a time (batch 1, the latency setting)."""
+@dataclass
+class Answer:
+    text: str
+    new_tokens: int
+    accepted: list[int]  # per verification, the draft tokens it accepted
+    seconds: float
+
+
+# Answers one conversation (ending with a user turn).
+Answerer = Callable[[Conversation], Answer | None]
+
+
+def engine_answerer(engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int) -> Answerer:
+    """In-process, one request at a time (batch 1, the latency setting). None: no room left in the context."""
     stops = set(stop_token_ids(tokenizer))
+
+    def answer(messages: Conversation) -> Answer | None:
+        ids = render_chat(tokenizer, messages)
+        budget = min(max_new_tokens, engine.context_limit - engine.reserve - len(ids))
+        if budget <= 0:
+            return None
+        start = time.perf_counter()
+        request = engine.add_request(ids, params, budget, stops)
+        while engine.has_work():
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        text = tokenizer.decode([t for t in request.output if t not in stops]).strip()
+        return Answer(text, len(request.output), request.accepted, time.perf_counter() - start)
+
+    return answer
+
+
+def endpoint_answerer(base_url: str, model: str, params: SamplingParams, max_new_tokens: int) -> Answerer:
+    """Through a running `serve-eagle` (its responses' `eyas.accepted_per_step`); any OpenAI-compatible server
+    gives the texts and tokens/s, without acceptance statistics."""
+    import httpx
+
+    client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
+
+    def answer(messages: Conversation) -> Answer:
+        body = {"model": model, "messages": messages, "max_tokens": max_new_tokens,
+                "temperature": params.temperature, "top_p": params.top_p}
+        start = time.perf_counter()
+        response = client.post("/chat/completions", json=body)
+        seconds = time.perf_counter() - start
+        if response.status_code != 200:
+            raise RuntimeError(f"{base_url}: HTTP {response.status_code}: {response.text[:500]}")
+        data = response.json()
+        accepted = (data.get("eyas") or {}).get("accepted_per_step") or []
+        return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"],
+                      accepted, seconds)
+
+    return answer
+
+
+def run_questions(answer: Answerer, questions: list[list[str]], desc: str) -> RunResult:
+    """Answers every question turn by turn; a later turn follows the model's own earlier answers."""
     result = RunResult([], [], 0.0, [])
     for turns in tqdm(questions, desc=desc, unit="q", file=sys.stderr):
         messages: Conversation = []
         answers, accepted, new_tokens = [], [], 0
         for turn in turns:
             messages.append({"role": "user", "content": turn})
-            ids = render_chat(tokenizer, messages)
-            budget = min(max_new_tokens, engine.context_limit - engine.reserve - len(ids))
-            if budget <= 0:
+            reply = answer(messages)
+            if reply is None:
                 break
-            start = time.perf_counter()
-            request = engine.add_request(ids, params, budget, stops)
-            while engine.has_work():
-                engine.step()
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            result.seconds += time.perf_counter() - start
-            new_tokens += len(request.output)
-            accepted += request.accepted
-            text = tokenizer.decode([t for t in request.output if t not in stops]).strip()
-            answers.append(text)
-            messages.append({"role": "assistant", "content": text})
+            result.seconds += reply.seconds
+            new_tokens += reply.new_tokens
+            accepted += reply.accepted
+            answers.append(reply.text)
+            messages.append({"role": "assistant", "content": reply.text})
         result.answers.append(answers)
         result.new_tokens.append(new_tokens)
         result.accepted.append(accepted)
@@ -141,8 +190,8 @@ def write_report(output: Path, report: dict, stats: Acceptance) -> None:
         f"| τ (tokens per verification) | {stats.tau:.3f} |",
         f"| verifications | {stats.verifications} |",
         f"| tokens/s, speculation on | {report['tokens_per_s']:.1f} |",
-        f"| tokens/s, speculation off | {report['tokens_per_s_off']:.1f} |",
-        f"| speedup | {report['speedup']:.2f} |",
+        f"| tokens/s, speculation off | {_fmt(report['tokens_per_s_off'], '.1f')} |",
+        f"| speedup | {_fmt(report['speedup'], '.2f')} |",
     ]
     rows += ["", "| position | accept rate | reach |", "|---|---|---|"]
     rows += [f"| {i + 1} | {a:.3f} | {r:.3f} |" for i, (a, r) in enumerate(zip(stats.accept_rate, stats.reach,
@@ -171,22 +220,24 @@ def write_report(output: Path, report: dict, stats: Acceptance) -> None:
     plt.close("all")
 
 
-def evaluate(target: TargetModel, head, tokenizer, questions, shape: TreeShape, params: SamplingParams,
-             max_new_tokens: int, bench: str) -> tuple[dict, Acceptance]:
-    on = Engine(target, head, EngineConfig(tree=shape, max_batch_size=1))
-    spec = run_questions(on, tokenizer, questions, params, max_new_tokens, "speculation on")
-    off = Engine(target, None, EngineConfig(speculative=False, max_batch_size=1))
-    base = run_questions(off, tokenizer, questions, params, max_new_tokens, "speculation off")
-    stats = acceptance_stats([a for q in spec.accepted for a in q], shape.num_steps)
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def evaluate(questions, answer_on: Answerer, answer_off: Answerer | None, depth: int, bench: str,
+             settings: dict) -> tuple[dict, Acceptance]:
+    """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps."""
+    spec = run_questions(answer_on, questions, "speculation on")
+    base = run_questions(answer_off, questions, "speculation off") if answer_off else None
+    stats = acceptance_stats([a for q in spec.accepted for a in q], depth)
     report = {
         "bench": bench,
-        "tree": asdict(shape),
-        "temperature": params.temperature,
+        **settings,
         "questions": len(questions),
         **asdict(stats),
         "tokens_per_s": spec.tokens_per_s,
-        "tokens_per_s_off": base.tokens_per_s,
-        "speedup": spec.tokens_per_s / base.tokens_per_s,
+        "tokens_per_s_off": base.tokens_per_s if base else None,
+        "speedup": spec.tokens_per_s / base.tokens_per_s if base else None,
         "per_question": [
             {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc}
             for a, n, acc in zip(spec.answers, spec.new_tokens, spec.accepted, strict=True)
@@ -198,12 +249,15 @@ def evaluate(target: TargetModel, head, tokenizer, questions, shape: TreeShape, 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eval-eagle", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--target", required=True, help="HF directory, .gguf file or packaged model name")
-    parser.add_argument("--draft", required=True, help="the draft head directory")
+    parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
+    parser.add_argument("--draft", help="the draft head directory (in-process)")
     parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
+    parser.add_argument("--endpoint", help="a running server's base URL (e.g. http://127.0.0.1:8000/v1)")
+    parser.add_argument("--endpoint-off", help="the same target served with --speculative off, for the speedup")
+    parser.add_argument("--model", default="default", help="the model name sent to the endpoints")
     parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
     parser.add_argument("--limit", type=int, help="only the first N questions")
-    parser.add_argument("--num-steps", type=int, default=7)
+    parser.add_argument("--num-steps", type=int, default=7, help="tree depth (with --endpoint: the server's)")
     parser.add_argument("--topk", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -211,16 +265,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=Path("eval"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    if bool(args.endpoint) == bool(args.target and args.draft):
+        parser.error("give --target and --draft (in-process), or --endpoint")
 
-    path = resolve_target(args.target)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-    head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
-    tokenizer = load_tokenizer(path)
     questions = load_questions(args.bench)[: args.limit]
-    shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
-    report, stats = evaluate(target, head, tokenizer, questions, shape, SamplingParams(temperature=args.temperature),
-                             args.max_new_tokens, args.bench)
+    params = SamplingParams(temperature=args.temperature)
+    settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    if args.endpoint:
+        answer_on = endpoint_answerer(args.endpoint, args.model, params, args.max_new_tokens)
+        answer_off = endpoint_answerer(args.endpoint_off, args.model, params, args.max_new_tokens) \
+            if args.endpoint_off else None
+        settings["endpoint"] = args.endpoint
+    else:
+        path = resolve_target(args.target)
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
+        head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
+        tokenizer = load_tokenizer(path)
+        shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
+        settings["tree"] = asdict(shape)
+        answer_on = engine_answerer(Engine(target, head, EngineConfig(tree=shape, max_batch_size=1)), tokenizer,
+                                    params, args.max_new_tokens)
+        answer_off = engine_answerer(Engine(target, None, EngineConfig(speculative=False, max_batch_size=1)),
+                                     tokenizer, params, args.max_new_tokens)
+    report, stats = evaluate(questions, answer_on, answer_off, args.num_steps, args.bench, settings)
     write_report(args.output, report, stats)
     print((args.output / "report.md").read_text())
 

@@ -277,7 +277,8 @@ def test_step_failure_ends_the_running_requests_only(server):
 def test_speculation_off_serves_without_stats():
     with Server(speculative=False, num_blocks=32) as off, contextlib.closing(off.client()) as client:
         out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0)
-        assert extension(out) == {"verify_steps": 0, "accepted_tokens": 0, "acceptance_length": None}
+        assert extension(out) == {"verify_steps": 0, "accepted_tokens": 0, "acceptance_length": None,
+                                  "accepted_per_step": []}
     with Server() as on, contextlib.closing(on.client()) as client:  # the same greedy text with speculation
         spec = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0)
         assert spec.choices[0].message.content == out.choices[0].message.content

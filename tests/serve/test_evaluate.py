@@ -53,3 +53,20 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     for name in ("report.md", "acceptance.png", "tau.png"):
         assert (tmp_path / "eval" / name).stat().st_size > 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_eval_eagle_against_running_servers(tmp_path):
+    """--endpoint / --endpoint-off: acceptance from the responses' `eyas` field, speedup from the two servers."""
+    from tests.serve.test_api import MODEL, Server
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name three colours."}) + "\n")
+    with Server() as on, Server(speculative=False) as off:
+        main(["--endpoint", f"{on.url}/v1", "--endpoint-off", f"{off.url}/v1", "--model", MODEL,
+              "--bench", str(prompts), "--num-steps", "3", "--max-new-tokens", "12",
+              "--output", str(tmp_path / "eval")])
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    (question,) = report["per_question"]
+    assert question["new_tokens"] > 0 and question["verifications"] > 0
+    assert report["verifications"] == question["verifications"] and len(report["accept_rate"]) == 3
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_off"])
