@@ -7,7 +7,6 @@ in the dtype and on the device chosen here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -105,13 +104,12 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
         import gguf  # noqa: F401
     except ImportError as err:
         raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     folder, name = _gguf_parts(path)
-    hf_config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
     # transformers owns GGUF's name mapping, dequantisation and the q/k rotary permutation.
     hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return hf_config, dict(hf_model.state_dict())
+    return hf_model.config.to_dict(), dict(hf_model.state_dict())
 
 
 def target_config(path: str | Path) -> TargetConfig:
@@ -147,10 +145,3 @@ def load_target(
     model.rotary.reset_parameters(device)
     return model.eval()
 
-
-def save_target(model: TargetModel, path: str | Path, hf_config: dict) -> None:
-    """Writes an HF directory (config.json + model.safetensors): used to build test checkpoints."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
-    save_safetensors(model.state_dict(), path / "model.safetensors")
