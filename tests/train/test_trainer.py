@@ -1,7 +1,13 @@
 """The trainer end to end through DeepSpeed (one CPU process): ci-tiny writes metrics, checkpoints and a head
-that loads; a run stopped mid-way resumes to bit-identical weights and metrics; the loss falls on an overfit."""
+that loads; a run stopped mid-way, or killed with SIGKILL, resumes to bit-identical weights and metrics; the
+loss falls on an overfit."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -85,3 +91,29 @@ def test_lr_schedule():
     got = [lr_factor(s, warmup=2, total=6, min_ratio=0.0) for s in range(6)]
     assert got == pytest.approx([0.5, 1.0, 1.0, 0.8536, 0.5, 0.1464], abs=1e-4)
     assert lr_factor(5, 0, 5, 0.1) == pytest.approx(0.1)
+
+
+def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path):
+    """A `train-eagle` process killed with SIGKILL (no chance to clean up) after a checkpoint: rerunning the
+    same command finishes with the weights of an uninterrupted run."""
+    overrides = QUIET + ["optim.total_steps=60", "optim.warmup_steps=5", "checkpoint.every=5"]
+    command = [sys.executable, "-m", "eyas.train.cli", "--recipe", "ci-tiny", "--output", str(tmp_path / "killed")]
+    for item in overrides:
+        command += ["--set", item]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "killed/checkpoints/step_10").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "killed/final").exists(), "killed too late: the run had finished"
+
+    recipe = load_recipe("ci-tiny", overrides)
+    assert train(recipe, tmp_path / "killed") == tmp_path / "killed/final"
+    assert train(recipe, tmp_path / "whole") == tmp_path / "whole/final"
+    want = load_file(tmp_path / "whole/final/model.safetensors")
+    got = load_file(tmp_path / "killed/final/model.safetensors")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert metrics(tmp_path / "killed") == metrics(tmp_path / "whole")
