@@ -100,13 +100,18 @@ def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path):
     command = [sys.executable, "-m", "eyas.train.cli", "--recipe", "ci-tiny", "--output", str(tmp_path / "killed")]
     for item in overrides:
         command += ["--set", item]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (tmp_path / "killed/checkpoints/step_10").exists():
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    # A fresh process group: earlier in-process runs left this process's rendezvous variables in os.environ.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "killed/checkpoints/step_10").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("the run ended before its checkpoint:\n" + (tmp_path / "killed.log").read_text())
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
     assert not (tmp_path / "killed/final").exists(), "killed too late: the run had finished"
 
     recipe = load_recipe("ci-tiny", overrides)
