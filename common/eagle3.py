@@ -168,7 +168,12 @@ class Eagle3Head(nn.Module):
 
     @property
     def hot_vocab(self) -> HotVocab:
-        return HotVocab.from_d2t(self.d2t, self.config.vocab_size)
+        """Built from `d2t` once per state of that buffer (validation syncs the device: not every step)."""
+        key = (self.d2t.device, self.d2t.data_ptr(), self.d2t._version)
+        if getattr(self, "_hot_vocab_key", None) != key:
+            self._hot_vocab = HotVocab.from_d2t(self.d2t, self.config.vocab_size)
+            self._hot_vocab_key = key
+        return self._hot_vocab
 
     def set_hot_vocab(self, vocab: HotVocab) -> None:
         self.d2t.copy_(vocab.d2t)

@@ -21,6 +21,11 @@ from .config import TargetConfig
 from .layers import MLP, Attention, RMSNorm, Rotary
 
 
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPUs; fp32 elsewhere, the exact reference every test compares against."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()

@@ -27,7 +27,7 @@ from eyas.common.assets import resolve_target
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.hot_vocab import HotVocab
-from eyas.common.target import TargetModel
+from eyas.common.target import TargetModel, default_dtype
 
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = default_dtype(args.device)
 
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)

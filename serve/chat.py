@@ -13,7 +13,7 @@ import time
 import torch
 
 from eyas.common.assets import DEFAULT_TARGET, resolve_target
-from eyas.common.target import TargetModel
+from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
 from .generate import greedy_tokens
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
 
     path = resolve_target(args.target)
     started = time.perf_counter()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = default_dtype(args.device)
     model = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
     tokenizer = load_tokenizer(path)
     print(f"[loaded {path.name} in {time.perf_counter() - started:.1f}s on {args.device}]", file=sys.stderr)

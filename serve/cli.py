@@ -23,7 +23,7 @@ import yaml
 
 from eyas.common.assets import DEFAULT_TARGET, resolve_target
 from eyas.common.head_checkpoint import load_draft_head
-from eyas.common.target import TargetModel
+from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
 from .draft import TreeShape
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(args.device)
     path = resolve_target(args.target)
     target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
     head = None

@@ -151,7 +151,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if len(prompt) + self.reserve > self.context_limit:
+        if self.room(len(prompt)) < 0:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
             )
@@ -159,6 +159,10 @@ class Engine:
         request.generator = make_generator(params, self.device)
         self.waiting.append(request)
         return request
+
+    def room(self, prompt_len: int) -> int:
+        """New tokens a prompt of `prompt_len` tokens leaves room for in this engine's context (≤ 0: none)."""
+        return self.context_limit - self.reserve - prompt_len
 
     def abort(self, request: Request) -> None:
         """Ends a request now and frees its blocks (a client that went away)."""

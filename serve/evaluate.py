@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from eyas.common.assets import asset_path, resolve_target
 from eyas.common.head_checkpoint import load_draft_head
-from eyas.common.target import TargetModel
+from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import Conversation
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
@@ -122,7 +122,7 @@ def engine_answerer(engine: Engine, tokenizer, params: SamplingParams, max_new_t
 
     def answer(messages: Conversation) -> Answer | None:
         ids = render_chat(tokenizer, messages)
-        budget = min(max_new_tokens, engine.context_limit - engine.reserve - len(ids))
+        budget = min(max_new_tokens, engine.room(len(ids)))
         if budget <= 0:
             return None
         start = time.perf_counter()
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         settings["endpoint"] = args.endpoint
     else:
         path = resolve_target(args.target)
-        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        dtype = default_dtype(args.device)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
         head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
         tokenizer = load_tokenizer(path)

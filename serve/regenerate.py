@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.common.assets import ASSETS, asset_path, resolve_target
-from eyas.common.target import TargetModel
+from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import Conversation, read_conversations
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
@@ -42,7 +42,7 @@ def engine_replier(engine: Engine, tokenizer, params: SamplingParams, max_new_to
         requests = []
         for messages in prompts:
             ids = render_chat(tokenizer, messages)
-            budget = min(max_new_tokens, engine.context_limit - engine.reserve - len(ids))
+            budget = min(max_new_tokens, engine.room(len(ids)))
             requests.append(engine.add_request(ids, params, budget, stops) if budget > 0 else None)
         while engine.has_work():
             engine.step()
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         reply = endpoint_replier(args.endpoint, args.model, params, args.max_new_tokens)
     else:
         path = resolve_target(args.target)
-        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        dtype = default_dtype(args.device)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
         engine = Engine(target, None, EngineConfig(speculative=False, max_batch_size=args.batch_size))
         reply = engine_replier(engine, load_tokenizer(path), params, args.max_new_tokens)
