@@ -248,3 +248,18 @@ def test_aux_layers_must_exist_in_the_target(hf_checkpoint):
     assert Eagle3Config.for_target(target.config, 10).aux_layers_for(target.config) == (2, 3, 3)
     with pytest.raises(ValueError, match=r"aux layers \(2, 3, 9\) do not exist"):
         Eagle3Config.for_target(target.config, 10, aux_layers=(2, 3, 9)).aux_layers_for(target.config)
+
+
+def test_hot_vocab_follows_d2t():
+    """The cached hot vocabulary is rebuilt when d2t changes (in place or replaced), never stale."""
+    from eyas.common.eagle3 import Eagle3Config
+
+    head = Eagle3Head(Eagle3Config(H, HEADS, KV, D, FFN, 1e-6, 256, V, DV, H))
+    first = HotVocab(torch.arange(DV), V)
+    head.set_hot_vocab(first)
+    assert head.hot_vocab is head.hot_vocab and torch.equal(head.hot_vocab.hot_ids, first.hot_ids)
+    second = HotVocab(torch.arange(DV) * 2, V)
+    head.set_hot_vocab(second)
+    assert torch.equal(head.hot_vocab.hot_ids, second.hot_ids)
+    head.d2t = torch.zeros(DV, dtype=torch.long)  # a new tensor, as loading with assign=True makes
+    assert torch.equal(head.hot_vocab.hot_ids, torch.arange(DV))
