@@ -61,23 +61,20 @@ class Drafter:
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
 
     def extend(
-        self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, slots: Tensor
+        self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor
     ) -> list[DraftState]:
         """Feeds the draft the target's states at positions start .. start+len-1 of each request.
 
-        target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding);
-        next_tokens [B, T]: the token at position p + 1 for each p; start, lengths [B];
-        slots [B, S] the request's slots for positions 0 .. S-1 (S ≥ max(start + T)).
+        target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding, their KV
+        lands in the request's reserved positions); next_tokens [B, T]: the token at position p + 1 for
+        each p; start, lengths [B]; table [B, M] the requests' blocks.
         Returns each request's state at its last extended position.
         """
         B, T = next_tokens.shape
         device = next_tokens.device
-        offs = torch.arange(T, device=device)
-        positions = start[:, None] + offs  # [B, T]
-        S = slots.shape[1]
-        new_slots = slots.gather(1, positions.clamp(max=S - 1))
-        mask = torch.arange(S, device=device)[None, None] <= positions[:, :, None]  # [B, T, S] causal
-        attn = TorchPagedAttention(self.pool, new_slots, slots, mask)
+        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        attn = TorchPagedAttention(self.pool, table, start, causal)
         embeds = self.target.embed_tokens(next_tokens)
         out = self.head.step(embeds, self.head.project_target(target_out), positions, attn)  # [B, T, H]
         last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
@@ -85,23 +82,18 @@ class Drafter:
         logp = self.head.logits(hidden).float().log_softmax(-1)  # [B, Vd]
         return [DraftState(hidden[b], logp[b]) for b in range(B)]
 
-    def draft_tree(self, roots: Tensor, states: list[DraftState], lengths: Tensor, slots: Tensor) -> DraftTree:
-        """roots [B] target ids at positions `lengths` (n); slots [B, S] with S ≥ n + scratch.
+    def draft_tree(self, roots: Tensor, states: list[DraftState], lengths: Tensor, table: Tensor) -> DraftTree:
+        """roots [B] target ids at positions `lengths` (n); table [B, M] blocks covering n + scratch.
         Returns the tree to verify, tokens as target ids."""
         k = self.shape.topk
-        B, device = len(roots), roots.device
+        B = len(roots)
         builder = TreeBuilder(roots, k)
         tokens = builder.first(torch.stack([s.logp for s in states]))  # [B, k] draft indices
         hidden = torch.stack([s.hidden for s in states])[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
-        S = slots.shape[1]
-        prefix = torch.arange(S, device=device)[None, None] < lengths[:, None, None]  # [B, 1, S]
         for depth in range(1, self.shape.num_steps):
-            # Drafted node j (in drafting order) keeps its KV in the slot of position n + j.
-            P = depth * k
-            columns = lengths[:, None] + torch.arange(P, device=device)  # [B, P] positions of the drafted nodes
-            mask = prefix.expand(B, k, S).clone()  # [B, k, S]: the prefix, then the frontier's drafted ancestors
-            mask.scatter_(2, columns[:, None].expand(B, k, P), builder.frontier_mask())
-            attn = TorchPagedAttention(self.pool, slots.gather(1, columns[:, -k:]), slots, mask)
+            # Drafted node j (in drafting order) keeps its KV at position n + j: the window is the nodes
+            # drafted so far, the frontier (the last k) sees its drafted ancestors.
+            attn = TorchPagedAttention(self.pool, table, lengths, builder.frontier_mask())
             positions = (lengths - 1 + depth)[:, None].expand(B, k)
             embeds = self.target.embed_tokens(self.hot.to_target(tokens))
             out = self.head.step(embeds, hidden, positions, attn)  # [B, k, H]

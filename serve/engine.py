@@ -31,6 +31,7 @@ from torch import Tensor
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
+from .attention.paged import slots_of
 from .attention.torch_sdpa import TorchPagedAttention
 from .draft import Drafter, DraftState, TreeShape
 from .kv_cache import KVPool, OutOfBlocks
@@ -235,24 +236,18 @@ class Engine:
 
     # ---- model passes ---------------------------------------------------------------------------
 
-    def _slot_table(self, requests: list[Request], width: int) -> Tensor:
-        """[B, width] slot of each position (positions past a request's blocks map to slot 0, never written)."""
-        rows = []
-        for r in requests:
-            n = min(width, len(r.blocks) * self.pool.block_size)
-            row = self.pool.slots(r.blocks, 0, n)
-            rows.append(torch.cat([row, row.new_zeros(width - n)]))
-        return torch.stack(rows).to(self.device)
+    def _block_table(self, requests: list[Request]) -> Tensor:
+        return self.pool.block_table([r.blocks for r in requests], self.device)  # [B, M]
 
     @torch.no_grad()
     def _prefill_chunk(self, request: Request) -> None:
         start = request.cached
         end = min(request.prefill_target, start + self.config.max_prefill_tokens)
         tokens = torch.tensor(request.tokens[: end + 1], device=self.device)
-        slots = self._slot_table([request], end + 1)
+        table = self._block_table([request])
         positions = torch.arange(start, end, device=self.device)[None]
-        mask = torch.arange(end, device=self.device)[None, None] <= positions[:, :, None]  # [1, T, end]
-        attn = TorchPagedAttention(self.pool, slots[:, start:end], slots[:, :end], mask)
+        prefix = torch.tensor([start], device=self.device)
+        attn = TorchPagedAttention(self.pool, table, prefix, _causal(1, end - start, self.device))
         out = self.target(tokens[None, start:end], positions, attn, aux_layers=self.aux_layers)
         request.cached = end
         if end < request.prefill_target:
@@ -267,9 +262,7 @@ class Engine:
             next_tokens = torch.tensor(request.tokens[start + 1 : end + 1], device=self.device)[None]
         if self.drafter is not None:
             length = torch.tensor([end - start], device=self.device)
-            table = self._slot_table([request], end)
-            (request.draft,) = self.drafter.extend(out, next_tokens, torch.tensor([start], device=self.device),
-                                                   length, table)
+            (request.draft,) = self.drafter.extend(out, next_tokens, prefix, length, table)
 
     def _verify(self, requests: list[Request], tree: DraftTree, logits: Tensor):
         valid = torch.ones_like(tree.tokens, dtype=torch.bool)
@@ -283,43 +276,37 @@ class Engine:
         device = self.device
         n = torch.tensor([r.cached for r in requests], device=device)  # [B]
         roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
-        width = int(n.max()) + self.reserve
-        slots = self._slot_table(requests, width)  # [B, width]
+        table = self._block_table(requests)
         with self._phase("draft"):
             if self.drafter is not None:
-                tree = self.drafter.draft_tree(roots, [r.draft for r in requests], n, slots)
+                tree = self.drafter.draft_tree(roots, [r.draft for r in requests], n, table)
             else:
                 tree = root_only(roots)
         with self._phase("verify"):
-            out, accepted, num_accepted, bonus = self._verify_tree(requests, tree, n, slots)
+            out, accepted, num_accepted, bonus = self._verify_tree(requests, tree, n, table)
         with self._phase("accept"):
-            self._accept(requests, tree, n, slots, out, accepted, num_accepted, bonus)
+            self._accept(requests, tree, n, table, out, accepted, num_accepted, bonus)
 
-    def _verify_tree(self, requests: list[Request], tree: DraftTree, n: Tensor, slots: Tensor):
-        """One target pass over every tree node -> (target output, accepted, num_accepted, bonus)."""
-        device, (B, N), width = self.device, tree.tokens.shape, slots.shape[1]
-        columns = n[:, None] + torch.arange(N, device=device)  # [B, N] positions whose slots hold the nodes
-        mask = torch.arange(width, device=device)[None, None] < n[:, None, None]  # [B, 1, width] prefix
-        mask = mask.expand(B, N, width).clone()
-        mask.scatter_(2, columns[:, None].expand(B, N, N), tree.mask)
-        attn = TorchPagedAttention(self.pool, slots.gather(1, columns), slots, mask)
+    def _verify_tree(self, requests: list[Request], tree: DraftTree, n: Tensor, table: Tensor):
+        """One target pass over every tree node -> (target output, accepted, num_accepted, bonus).
+        Node j's KV goes to position n + j; each node sees the prefix and its ancestors."""
+        attn = TorchPagedAttention(self.pool, table, n, tree.mask)
         out = self.target(tree.tokens, n[:, None] + tree.depth, attn, aux_layers=self.aux_layers)
         logits = self.target.logits(out.hidden).float()  # [B, N, V]
         return (out, *self._verify(requests, tree, logits))
 
     def _accept(
-        self, requests: list[Request], tree: DraftTree, n: Tensor, slots: Tensor, out: TargetOutput,
+        self, requests: list[Request], tree: DraftTree, n: Tensor, table: Tensor, out: TargetOutput,
         accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> None:
         """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens."""
-        device, N = self.device, tree.tokens.shape[1]
-        columns = n[:, None] + torch.arange(N, device=device)
+        device, N, bs = self.device, tree.tokens.shape[1], self.pool.block_size
         # Keep the accepted path's KV: node accepted[j] moves from position n + accepted[j] to n + j.
         path = accepted.clamp(min=0)  # [B, N]
         moves = (accepted > 0) & (accepted != torch.arange(N, device=device))
         if moves.any():
-            src = slots.gather(1, n[:, None] + path)[moves]
-            dst = slots.gather(1, columns)[moves]
+            src = slots_of(table, n[:, None] + path, bs)[moves]
+            dst = slots_of(table, n[:, None] + torch.arange(N, device=device), bs)[moves]
             for k, v in zip(self.pool.k, self.pool.v, strict=True):
                 k[dst], v[dst] = k[src], v[src]
 
@@ -333,7 +320,7 @@ class Engine:
             next_tokens = torch.where(is_last, bonus[:, None], after)
             states = self.drafter.extend(
                 TargetOutput(hidden=_rows(out.hidden, nodes), aux=None if out.aux is None else _rows(out.aux, nodes)),
-                next_tokens, n, lengths, slots,
+                next_tokens, n, lengths, table,
             )
         accepted_host, counts, bonus_host = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
         tokens_host = tree.tokens.tolist()
@@ -367,6 +354,11 @@ class Engine:
         else:
             tokens = self.config.cpu_kv_tokens
         return max(tokens // self.config.block_size, 1)
+
+
+def _causal(B: int, T: int, device: torch.device) -> Tensor:
+    """[B, T, T] causal window mask (a prefill chunk, a draft extension)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:

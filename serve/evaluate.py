@@ -8,7 +8,9 @@ In-process: every question runs with speculation on (the given tree) and, in the
 speedup is measured, not assumed. Against a running `serve-eagle` (`--endpoint URL`), acceptance comes from
 each response's `eyas` field; give `--endpoint-off URL` (the same target with `--speculative off`) for the
 speedup. MT-bench runs both turns; the second turn follows the model's own first
-answer. No system message is added (the chat template's default applies), as in training.
+answer. No system message is added (the chat template's default applies), as in training. `--concurrency N`
+answers N questions of a turn together: τ is the same (a faster way to measure it), tokens/s becomes
+throughput at that concurrency.
 
 Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
   τ              tokens per verification, bonus token included: mean over all verifications of (accepted + 1)
@@ -27,6 +29,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,73 +115,88 @@ class Answer:
     seconds: float
 
 
-# Answers one conversation (ending with a user turn).
-Answerer = Callable[[Conversation], Answer | None]
+# Answers a group of conversations (each ending with a user turn) concurrently; None: no room left.
+Answerer = Callable[[list[Conversation]], list[Answer | None]]
 
 
 def engine_answerer(engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int) -> Answerer:
-    """In-process, one request at a time (batch 1, the latency setting). None: no room left in the context."""
+    """In-process: the group runs as one continuous batch (a group of one is the latency setting)."""
     stops = set(stop_token_ids(tokenizer))
 
-    def answer(messages: Conversation) -> Answer | None:
-        ids = render_chat(tokenizer, messages)
-        budget = min(max_new_tokens, engine.room(len(ids)))
-        if budget <= 0:
-            return None
+    def answer(group: list[Conversation]) -> list[Answer | None]:
         start = time.perf_counter()
-        request = engine.add_request(ids, params, budget, stops)
+        requests = []
+        for messages in group:
+            ids = render_chat(tokenizer, messages)
+            budget = min(max_new_tokens, engine.room(len(ids)))
+            requests.append(engine.add_request(ids, params, budget, stops) if budget > 0 else None)
         while engine.has_work():
             engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
-        text = tokenizer.decode([t for t in request.output if t not in stops]).strip()
-        return Answer(text, len(request.output), request.accepted, time.perf_counter() - start)
+        share = (time.perf_counter() - start) / len(group)  # the group's wall time, split evenly
+        return [
+            None if r is None else
+            Answer(tokenizer.decode([t for t in r.output if t not in stops]).strip(), len(r.output), r.accepted, share)
+            for r in requests
+        ]
 
     return answer
 
 
 def endpoint_answerer(base_url: str, model: str, params: SamplingParams, max_new_tokens: int) -> Answerer:
-    """Through a running `serve-eagle` (its responses' `eyas.accepted_per_step`); any OpenAI-compatible server
-    gives the texts and tokens/s, without acceptance statistics."""
+    """Through a running `serve-eagle` (its responses' `eyas.accepted_per_step`), one concurrent request per
+    conversation; any OpenAI-compatible server gives the texts and tokens/s, without acceptance statistics."""
     import httpx
 
     client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
 
-    def answer(messages: Conversation) -> Answer:
+    def one(messages: Conversation) -> Answer:
         body = {"model": model, "messages": messages, "max_tokens": max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p}
-        start = time.perf_counter()
         response = client.post("/chat/completions", json=body)
-        seconds = time.perf_counter() - start
         if response.status_code != 200:
             raise RuntimeError(f"{base_url}: HTTP {response.status_code}: {response.text[:500]}")
         data = response.json()
         accepted = (data.get("eyas") or {}).get("accepted_per_step") or []
         return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"],
-                      accepted, seconds)
+                      accepted, 0.0)
+
+    def answer(group: list[Conversation]) -> list[Answer]:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(group)) as pool:
+            answers = list(pool.map(one, group))
+        for a in answers:
+            a.seconds = (time.perf_counter() - start) / len(group)
+        return answers
 
     return answer
 
 
-def run_questions(answer: Answerer, questions: list[list[str]], desc: str) -> RunResult:
-    """Answers every question turn by turn; a later turn follows the model's own earlier answers."""
-    result = RunResult([], [], 0.0, [])
-    for turns in tqdm(questions, desc=desc, unit="q", file=sys.stderr):
-        messages: Conversation = []
-        answers, accepted, new_tokens = [], [], 0
-        for turn in turns:
-            messages.append({"role": "user", "content": turn})
-            reply = answer(messages)
-            if reply is None:
-                break
-            result.seconds += reply.seconds
-            new_tokens += reply.new_tokens
-            accepted += reply.accepted
-            answers.append(reply.text)
-            messages.append({"role": "assistant", "content": reply.text})
-        result.answers.append(answers)
-        result.new_tokens.append(new_tokens)
-        result.accepted.append(accepted)
+def run_questions(answer: Answerer, questions: list[list[str]], desc: str, concurrency: int = 1) -> RunResult:
+    """Answers every question turn by turn (a later turn follows the model's own earlier answers), the
+    questions of a turn in groups of `concurrency` answered together."""
+    n = len(questions)
+    result = RunResult([[] for _ in range(n)], [0] * n, 0.0, [[] for _ in range(n)])
+    messages: list[Conversation] = [[] for _ in range(n)]
+    alive = set(range(n))  # questions not stopped by a full context
+    with tqdm(total=sum(map(len, questions)), desc=desc, unit="turn", file=sys.stderr) as bar:
+        for turn in range(max(map(len, questions), default=0)):
+            active = [i for i in range(n) if i in alive and turn < len(questions[i])]
+            for start in range(0, len(active), concurrency):
+                group = active[start : start + concurrency]
+                for i in group:
+                    messages[i].append({"role": "user", "content": questions[i][turn]})
+                for i, reply in zip(group, answer([messages[i] for i in group]), strict=True):
+                    if reply is None:
+                        alive.discard(i)
+                        continue
+                    result.seconds += reply.seconds
+                    result.new_tokens[i] += reply.new_tokens
+                    result.accepted[i] += reply.accepted
+                    result.answers[i].append(reply.text)
+                    messages[i].append({"role": "assistant", "content": reply.text})
+                bar.update(len(group))
     return result
 
 
@@ -225,10 +243,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def evaluate(questions, answer_on: Answerer, answer_off: Answerer | None, depth: int, bench: str,
-             settings: dict) -> tuple[dict, Acceptance]:
+             settings: dict, concurrency: int = 1) -> tuple[dict, Acceptance]:
     """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps."""
-    spec = run_questions(answer_on, questions, "speculation on")
-    base = run_questions(answer_off, questions, "speculation off") if answer_off else None
+    spec = run_questions(answer_on, questions, "speculation on", concurrency)
+    base = run_questions(answer_off, questions, "speculation off", concurrency) if answer_off else None
     stats = acceptance_stats([a for q in spec.accepted for a in q], depth)
     report = {
         "bench": bench,
@@ -262,19 +280,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
     parser.add_argument("--output", type=Path, default=Path("eval"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     if bool(args.endpoint) == bool(args.target and args.draft):
         parser.error("give --target and --draft (in-process), or --endpoint")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
 
     questions = load_questions(args.bench)[: args.limit]
     params = SamplingParams(temperature=args.temperature)
-    settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                "concurrency": args.concurrency}
     if args.endpoint:
         answer_on = endpoint_answerer(args.endpoint, args.model, params, args.max_new_tokens)
         answer_off = endpoint_answerer(args.endpoint_off, args.model, params, args.max_new_tokens) \
-            if args.endpoint_off else None
+            if args.endpoint_off and not args.no_baseline else None
         settings["endpoint"] = args.endpoint
     else:
         path = resolve_target(args.target)
@@ -284,11 +308,14 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(path)
         shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
         settings["tree"] = asdict(shape)
-        answer_on = engine_answerer(Engine(target, head, EngineConfig(tree=shape, max_batch_size=1)), tokenizer,
-                                    params, args.max_new_tokens)
-        answer_off = engine_answerer(Engine(target, None, EngineConfig(speculative=False, max_batch_size=1)),
-                                     tokenizer, params, args.max_new_tokens)
-    report, stats = evaluate(questions, answer_on, answer_off, args.num_steps, args.bench, settings)
+        batch = args.concurrency
+        answer_on = engine_answerer(Engine(target, head, EngineConfig(tree=shape, max_batch_size=batch)),
+                                    tokenizer, params, args.max_new_tokens)
+        answer_off = None if args.no_baseline else engine_answerer(
+            Engine(target, None, EngineConfig(speculative=False, max_batch_size=batch)), tokenizer, params,
+            args.max_new_tokens)
+    report, stats = evaluate(questions, answer_on, answer_off, args.num_steps, args.bench, settings,
+                             args.concurrency)
     write_report(args.output, report, stats)
     print((args.output / "report.md").read_text())
 

@@ -30,14 +30,14 @@ def greedy_tokens(
         cfg.num_hidden_layers, -(-total // block_size), block_size, cfg.num_key_value_heads, cfg.head_dim,
         model.embed_tokens.weight.dtype, device,
     )
-    slots = pool.slots(pool.allocator.allocate(pool.allocator.num_free), 0, total, device)  # [total]
+    table = pool.block_table([pool.allocator.allocate(pool.allocator.num_free)], device)  # [1, M]
     new = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     start = 0
     for _ in range(max_new_tokens):
         end = start + len(new)
         positions = torch.arange(start, end, device=device)
-        mask = positions[:, None] >= torch.arange(end, device=device)[None]  # [T, end]: causal
-        attn = TorchPagedAttention(pool, slots[None, start:end], slots[None, :end], mask[None])
+        causal = torch.ones(1, len(new), len(new), dtype=torch.bool, device=device).tril()
+        attn = TorchPagedAttention(pool, table, torch.tensor([start], device=device), causal)
         hidden = model(new[None], positions[None], attn).hidden[0, -1]
         token = int(model.logits(hidden).argmax())
         yield token

@@ -49,8 +49,8 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)
 
-    def slots(self, blocks: list[int], start: int, end: int, device: torch.device | str | None = None) -> Tensor:
-        """Slots of token positions [start, end) of a sequence that owns `blocks` (in order)."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(blocks, dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(device)
+    def block_table(self, rows: list[list[int]], device: torch.device | str | None = None) -> Tensor:
+        """Each row's blocks (in position order) -> [B, M] int32, padded with block 0 (never read: past the
+        row's lengths)."""
+        width = max(map(len, rows))
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)

@@ -100,9 +100,10 @@ def regenerate_batch(conversations: list[Conversation], reply: Replier) -> list[
 
 
 def regenerate_file(data: str | Path, output: Path, reply: Replier, batch_size: int = 64,
-                    limit: int | None = None) -> int:
+                    limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
     """Regenerates the conversations of `data` (a file or packaged data set name) into `output` (JSONL,
-    appended; indices already there are skipped). Returns the number of conversations written."""
+    appended; indices already there are skipped). `shard` (i, n) takes the conversations whose index is i
+    modulo n (one process per GPU). Returns the number of conversations written."""
     path = asset_path(str(data)) if str(data) in ASSETS else Path(data)
     done = set()
     if output.exists():
@@ -111,7 +112,9 @@ def regenerate_file(data: str | Path, output: Path, reply: Replier, batch_size: 
                 done.add(json.loads(line)["index"])
             except (json.JSONDecodeError, KeyError):
                 break  # a line cut by an interruption: everything before it stands
-    pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit)) if i not in done)
+    i_shard, n_shards = shard
+    pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit))
+               if i % n_shards == i_shard and i not in done)
     written = 0
     with open(output, "a") as f, tqdm(desc="regenerating", unit="conv", initial=len(done), total=limit) as bar:
         while batch := list(islice(pending, batch_size)):
@@ -122,6 +125,13 @@ def regenerate_file(data: str | Path, output: Path, reply: Replier, batch_size: 
             f.flush()
             bar.update(len(batch))
     return written
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {text!r}")
+    return int(i), int(n)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                        help="take conversations I, I+N, I+2N, ... (e.g. 0/2 and 1/2 on two GPUs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     params = SamplingParams(temperature=args.temperature)
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
         engine = Engine(target, None, EngineConfig(speculative=False, max_batch_size=args.batch_size))
         reply = engine_replier(engine, load_tokenizer(path), params, args.max_new_tokens)
-    n = regenerate_file(args.data, args.output, reply, args.batch_size, args.limit)
+    n = regenerate_file(args.data, args.output, reply, args.batch_size, args.limit, args.shard)
     print(f"wrote {n} conversations to {args.output}")
 
 

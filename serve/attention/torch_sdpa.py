@@ -4,29 +4,24 @@ mask. Runs anywhere (CPU included); every GPU kernel is tested against it.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from eyas.common.attention import AttentionMetadata, sdpa
+from eyas.common.attention import sdpa
 
-from ..kv_cache import KVPool
+from .paged import PagedAttention, dense_view
 
 
-class TorchPagedAttention(AttentionMetadata):
-    """One forward's metadata.
+class TorchPagedAttention(PagedAttention):
+    """One forward's view (see `paged.py`), attended by gathering keys and running masked SDPA."""
 
-    new_slots [B, T]: where each new token's k/v is written.
-    kv_slots  [B, S]: the slots each row attends over, new tokens included (padding: any valid slot).
-    mask   [B, T, S]: True where new token t of row b may attend key s (causal prefix, tree ancestry).
-    """
-
-    def __init__(self, pool: KVPool, new_slots: Tensor, kv_slots: Tensor, mask: Tensor):
-        self.pool, self.new_slots, self.kv_slots, self.mask = pool, new_slots, kv_slots, mask
+    def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
+        super().__init__(pool, block_table, prefix_lens, window_mask)
+        self.kv_slots, self.mask = dense_view(block_table, prefix_lens, window_mask, pool.block_size)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        k_cache[self.new_slots] = k
-        v_cache[self.new_slots] = v
+        k_cache, v_cache = self.write(layer, k, v)
         group = q.shape[2] // k.shape[2]
         keys = k_cache[self.kv_slots].repeat_interleave(group, dim=2)  # [B, S, Hq, D]
         values = v_cache[self.kv_slots].repeat_interleave(group, dim=2)
@@ -34,4 +29,6 @@ class TorchPagedAttention(AttentionMetadata):
         # time per call on an H200). The memory-efficient kernel takes arbitrary masks, without GQA, hence
         # the expanded heads.
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            return sdpa(q, keys, values, mask=self.mask)
+            out = sdpa(q, keys, values, mask=self.mask)
+        # A query that sees no key (padding) gives NaN from softmax over nothing: zero, as the kernels do.
+        return torch.where(self.mask.any(-1)[:, :, None, None], out, 0.0)

@@ -42,10 +42,14 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"messages": [
         {"role": "user", "content": "One"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "Two"}
     ]}) + "\n")
-    main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"), "--bench", str(prompts),
-          "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5", "--max-new-tokens", "8",
-          "--output", str(tmp_path / "eval"), "--device", "cpu"])
+    args = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"), "--bench", str(prompts),
+            "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5", "--max-new-tokens", "8", "--device", "cpu"]
+    main(args + ["--output", str(tmp_path / "eval")])
     report = json.loads((tmp_path / "eval/report.json").read_text())
+    # Answering the questions together changes the batching, not the greedy answers or their acceptance.
+    main(args + ["--output", str(tmp_path / "together"), "--concurrency", "2", "--no-baseline"])
+    together = json.loads((tmp_path / "together/report.json").read_text())
+    assert together["per_question"] == report["per_question"] and together["tokens_per_s_off"] is None
     assert report["questions"] == 2 and [q["turns"] for q in report["per_question"]] == [1, 2]
     assert report["verifications"] == sum(q["verifications"] for q in report["per_question"]) > 0
     assert report["tokens_per_s"] > 0 and report["tokens_per_s_off"] > 0

@@ -39,21 +39,19 @@ def test_tree_verification_through_paged_cache(hf_checkpoint):
     parent = [-1, 0, 0, 1, 2]
     depth = [0, 1, 1, 2, 2]
     pool = KVPool(cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
-    slots = pool.slots([5, 2, 7, 0], 0, 14)  # non-contiguous blocks of the pool
+    table = pool.block_table([[5, 2, 7, 0]])  # non-contiguous blocks of the pool
     with torch.no_grad():
         n = len(prefix)
-        prefill_mask = torch.ones(n, n, dtype=torch.bool).tril()
-        model(prefix[None], torch.arange(n)[None],
-              TorchPagedAttention(pool, slots[None, :n], slots[None, :n], prefill_mask[None]))
-        mask = torch.zeros(5, n + 5, dtype=torch.bool)
-        mask[:, :n] = True
+        prefill_mask = torch.ones(1, n, n, dtype=torch.bool).tril()
+        model(prefix[None], torch.arange(n)[None], TorchPagedAttention(pool, table, torch.tensor([0]), prefill_mask))
+        mask = torch.zeros(5, 5, dtype=torch.bool)  # over the tree's nodes; the prefix is seen whole
         for i in range(5):
             j = i
             while j >= 0:
-                mask[i, n + j] = True
+                mask[i, j] = True
                 j = parent[j]
         positions = torch.tensor([n + d for d in depth])[None]
-        out = model(tree[None], positions, TorchPagedAttention(pool, slots[None, n:], slots[None, :], mask[None]))
+        out = model(tree[None], positions, TorchPagedAttention(pool, table, torch.tensor([n]), mask[None]))
         tree_logits = model.logits(out.hidden)[0]
         for i in range(5):
             chain, j = [], i

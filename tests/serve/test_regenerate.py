@@ -53,6 +53,17 @@ def test_file_resumes_after_interruption(tmp_path):
     assert rows[4]["messages"] == conv("q4", "1:q4")
 
 
+def test_shards_split_the_conversations(tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(5)))
+    indices = []
+    for i in range(2):
+        out = tmp_path / f"shard{i}.jsonl"
+        regenerate_file(data, out, echo_replier([]), batch_size=2, shard=(i, 2))
+        indices.append([json.loads(line)["index"] for line in out.read_text().splitlines()])
+    assert indices == [[0, 2, 4], [1, 3]]
+
+
 def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
     tok = smollm2_tokenizer
     # A tiny random target over SmolLM2's vocabulary, so its real tokenizer and chat template apply.
