@@ -35,7 +35,10 @@ from .sampling import SamplingParams
 Replier = Callable[[list[Conversation]], list[str]]
 
 
-def engine_replier(engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int) -> Replier:
+def engine_replier(engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int,
+                   max_prompt_tokens: int | None = None) -> Replier:
+    """Replies in one continuous batch. A prompt longer than `max_prompt_tokens` (past what training keeps)
+    or the context gets an empty reply, which ends its conversation."""
     stops = set(stop_token_ids(tokenizer))
 
     def reply(prompts: list[Conversation]) -> list[str]:
@@ -43,6 +46,8 @@ def engine_replier(engine: Engine, tokenizer, params: SamplingParams, max_new_to
         for messages in prompts:
             ids = render_chat(tokenizer, messages)
             budget = min(max_new_tokens, engine.room(len(ids)))
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                budget = 0
             requests.append(engine.add_request(ids, params, budget, stops) if budget > 0 else None)
         while engine.has_work():
             engine.step()
@@ -146,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-prompt-tokens", type=int,
+                        help="end a conversation before a turn whose prompt is longer (e.g. training's max_length)")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                         help="take conversations I, I+N, I+2N, ... (e.g. 0/2 and 1/2 on two GPUs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype = default_dtype(args.device)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
         engine = Engine(target, None, EngineConfig(speculative=False, max_batch_size=args.batch_size))
-        reply = engine_replier(engine, load_tokenizer(path), params, args.max_new_tokens)
+        reply = engine_replier(engine, load_tokenizer(path), params, args.max_new_tokens, args.max_prompt_tokens)
     n = regenerate_file(args.data, args.output, reply, args.batch_size, args.limit, args.shard)
     print(f"wrote {n} conversations to {args.output}")
 

@@ -77,3 +77,7 @@ def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path)
     stops = set(stop_token_ids(tok))
     expected = [t for t in greedy_tokens(target, render_chat(tok, prompt), 12, stop_ids=stops) if t not in stops]
     assert text == tok.decode(expected).strip()
+    # A prompt past max_prompt_tokens gets no reply (ending its conversation); a shorter one is answered.
+    n = len(render_chat(tok, prompt))
+    assert engine_replier(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n - 1)([prompt]) == [""]
+    assert engine_replier(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n)([prompt]) == [text]
