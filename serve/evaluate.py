@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
+    parser.add_argument("--mem-fraction", type=float, default=0.85,
+                        help="share of free GPU memory each engine's KV cache takes (lower it to share a GPU)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
     parser.add_argument("--output", type=Path, default=Path("eval"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -308,12 +310,10 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(path)
         shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
         settings["tree"] = asdict(shape)
-        batch = args.concurrency
-        answer_on = engine_answerer(Engine(target, head, EngineConfig(tree=shape, max_batch_size=batch)),
-                                    tokenizer, params, args.max_new_tokens)
+        config = EngineConfig(tree=shape, max_batch_size=args.concurrency, mem_fraction=args.mem_fraction)
+        answer_on = engine_answerer(Engine(target, head, config), tokenizer, params, args.max_new_tokens)
         answer_off = None if args.no_baseline else engine_answerer(
-            Engine(target, None, EngineConfig(speculative=False, max_batch_size=batch)), tokenizer, params,
-            args.max_new_tokens)
+            Engine(target, None, replace(config, speculative=False)), tokenizer, params, args.max_new_tokens)
     report, stats = evaluate(questions, answer_on, answer_off, args.num_steps, args.bench, settings,
                              args.concurrency)
     write_report(args.output, report, stats)
