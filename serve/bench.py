@@ -29,6 +29,7 @@ from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel, default_dtype
 
+from .attention import add_attention_argument
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -57,12 +58,13 @@ def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
     return head.eval()
 
 
-def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size) -> Result:
+def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
+                attention: str = "auto") -> Result:
     block_size = 16
     longest = max(len(p) for p in prompts[:batch_size]) + max_new_tokens + 128  # + the largest tree's scratch
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), profile=True,
                           max_batch_size=batch_size, block_size=block_size,
-                          num_blocks=batch_size * -(-longest // block_size))
+                          num_blocks=batch_size * -(-longest // block_size), attention=attention)
     engine = Engine(target, head if shape else None, config)
     engine.generate(prompts[:batch_size], SamplingParams(temperature=0), 4)  # warm-up
     engine.timings.clear()
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
+    add_attention_argument(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     dtype = default_dtype(args.device)
@@ -172,13 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
 
-    run_setting(target, head, None, prompts, 8, 1)  # process-wide warm-up (kernel selection, allocator)
+    run_setting(target, head, None, prompts, 8, 1, args.attention)  # process-wide warm-up (kernel selection, allocator)
     results: list[Result] = []
     for bs in args.batch_sizes:
-        base = run_setting(target, head, None, prompts, args.output_len, bs)
+        base = run_setting(target, head, None, prompts, args.output_len, bs, args.attention)
         results.append(base)
         for shape in args.trees:
-            r = run_setting(target, head, shape, prompts, args.output_len, bs)
+            r = run_setting(target, head, shape, prompts, args.output_len, bs, args.attention)
             r.speedup = r.tokens_per_s / base.tokens_per_s
             results.append(r)
             print(f"  batch {bs} tree {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)

@@ -26,6 +26,7 @@ from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
+from .attention import add_attention_argument
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
@@ -80,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
+    add_attention_argument(parser)
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
                         help="share of the GPU memory left after loading that the KV cache takes")
     parser.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size,
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.speculative == "on":
         head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
     engine = Engine(target, head, EngineConfig(speculative=head is not None, tree=args.tree,
-                                               mem_fraction=args.mem_fraction, max_batch_size=args.max_batch_size))
+                                               mem_fraction=args.mem_fraction, max_batch_size=args.max_batch_size,
+                                               attention=args.attention))
     metrics = Metrics(max_accept=args.tree.num_draft_tokens)
     name = args.model_name or model_name(args.target, path)
     app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name, metrics)

@@ -20,7 +20,7 @@ from torch import Tensor
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
-from .attention.torch_sdpa import TorchPagedAttention
+from .attention.paged import PagedAttention
 from .kv_cache import KVPool
 from .tree import DraftTree, TreeBuilder
 
@@ -56,8 +56,9 @@ class DraftState:
 
 
 class Drafter:
-    def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, shape: TreeShape):
-        self.head, self.target, self.pool, self.shape = head, target, pool, shape
+    def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, shape: TreeShape,
+                 attention: type[PagedAttention]):
+        self.head, self.target, self.pool, self.shape, self.attention = head, target, pool, shape, attention
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
 
     def extend(
@@ -74,7 +75,7 @@ class Drafter:
         device = next_tokens.device
         positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
-        attn = TorchPagedAttention(self.pool, table, start, causal)
+        attn = self.attention(self.pool, table, start, causal)
         embeds = self.target.embed_tokens(next_tokens)
         out = self.head.step(embeds, self.head.project_target(target_out), positions, attn)  # [B, T, H]
         last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
@@ -93,7 +94,7 @@ class Drafter:
         for depth in range(1, self.shape.num_steps):
             # Drafted node j (in drafting order) keeps its KV at position n + j: the window is the nodes
             # drafted so far, the frontier (the last k) sees its drafted ancestors.
-            attn = TorchPagedAttention(self.pool, table, lengths, builder.frontier_mask())
+            attn = self.attention(self.pool, table, lengths, builder.frontier_mask())
             positions = (lengths - 1 + depth)[:, None].expand(B, k)
             embeds = self.target.embed_tokens(self.hot.to_target(tokens))
             out = self.head.step(embeds, hidden, positions, attn)  # [B, k, H]

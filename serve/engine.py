@@ -31,8 +31,8 @@ from torch import Tensor
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
+from .attention import attention_backend
 from .attention.paged import slots_of
-from .attention.torch_sdpa import TorchPagedAttention
 from .draft import Drafter, DraftState, TreeShape
 from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, make_generator
@@ -51,6 +51,7 @@ class EngineConfig:
     max_batch_size: int = 64
     max_prefill_tokens: int = 2048  # chunk size of prefills
     profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
+    attention: str = "auto"  # attention backend: auto, torch or triton (serve/attention)
 
     def __post_init__(self):
         if not 0 < self.mem_fraction <= 1:
@@ -101,6 +102,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.target = target
         self.device = target.embed_tokens.weight.device
+        self.attention = attention_backend(self.config.attention, self.device)
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         self.speculative = head is not None and self.config.speculative
@@ -118,7 +120,7 @@ class Engine:
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
             draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
-            self.drafter = Drafter(head, target, draft_pool, self.tree)
+            self.drafter = Drafter(head, target, draft_pool, self.tree, self.attention)
             self.aux_layers = head.target_layers(tcfg)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
@@ -247,7 +249,7 @@ class Engine:
         table = self._block_table([request])
         positions = torch.arange(start, end, device=self.device)[None]
         prefix = torch.tensor([start], device=self.device)
-        attn = TorchPagedAttention(self.pool, table, prefix, _causal(1, end - start, self.device))
+        attn = self.attention(self.pool, table, prefix, _causal(1, end - start, self.device))
         out = self.target(tokens[None, start:end], positions, attn, aux_layers=self.aux_layers)
         request.cached = end
         if end < request.prefill_target:
@@ -290,7 +292,7 @@ class Engine:
     def _verify_tree(self, requests: list[Request], tree: DraftTree, n: Tensor, table: Tensor):
         """One target pass over every tree node -> (target output, accepted, num_accepted, bonus).
         Node j's KV goes to position n + j; each node sees the prefix and its ancestors."""
-        attn = TorchPagedAttention(self.pool, table, n, tree.mask)
+        attn = self.attention(self.pool, table, n, tree.mask)
         out = self.target(tree.tokens, n[:, None] + tree.depth, attn, aux_layers=self.aux_layers)
         logits = self.target.logits(out.hidden).float()  # [B, N, V]
         return (out, *self._verify(requests, tree, logits))

@@ -1,1 +1,39 @@
-"""Attention backends: each turns the q/k/v of new tokens into attention output over a paged KV cache."""
+"""Attention backends: each turns the q/k/v of new tokens into attention output over a paged KV cache.
+
+`torch` (torch_sdpa.py) gathers keys and runs SDPA: the reference, runs anywhere. `triton` (triton_paged.py)
+reads the cache in place and launches no host-dependent shapes, so it can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .paged import PagedAttention
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
+    """The backend class for `name`; "auto" is triton on CUDA when triton is installed, else torch."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    if name == "torch":
+        from .torch_sdpa import TorchPagedAttention
+
+        return TorchPagedAttention
+    if name == "triton":
+        from .triton_paged import TritonPagedAttention, available
+
+        if not available():
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
+        return TritonPagedAttention
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+
+
+def add_attention_argument(parser) -> None:
+    """The `--attention` option every serving command shares."""
+    parser.add_argument("--attention", choices=BACKENDS, default="auto",
+                        help="attention backend: triton (paged kernels, CUDA graphs), torch (reference), or auto: "
+                             "triton on CUDA when installed (default)")
