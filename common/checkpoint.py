@@ -7,7 +7,7 @@ in the dtype and on the device chosen here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -62,9 +62,9 @@ def load_strict(
     module.load_state_dict(state, strict=True, assign=True)
 
 
-def read_weights_dir(path: Path) -> dict[str, Tensor]:
+def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[str, Tensor]:
     """All tensors of an HF directory: `model.safetensors`, the shards its index names, or (older
-    EAGLE heads) `pytorch_model.bin`."""
+    EAGLE heads) `pytorch_model.bin`. With `names`, only those are read from safetensors files."""
     index = path / "model.safetensors.index.json"
     if (path / "pytorch_model.bin").exists() and not index.exists() and not (path / "model.safetensors").exists():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -84,8 +84,21 @@ def read_weights_dir(path: Path) -> dict[str, Tensor]:
             raise CheckpointError(f"{index}: names shard '{name}', which does not exist")
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+                if names is None or key in names:
+                    tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def read_target_tensors(path: str | Path, names: Collection[str]) -> dict[str, Tensor]:
+    """The tensors `names` (HF names) of a target checkpoint. From an HF directory only they are read (a 70B
+    target's embedding, final norm and lm_head are 4.2 GB of its 141); a .gguf file is dequantised whole first.
+    A name the checkpoint lacks is a CheckpointError."""
+    path = Path(path)
+    tensors = read_gguf(path)[1] if path.suffix == ".gguf" else read_weights_dir(path, names)
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{path}: no tensor {', '.join(repr(n) for n in missing)}")
+    return {name: tensors[name] for name in names}
 
 
 def save_safetensors(tensors: Mapping[str, Tensor], path: Path) -> None:

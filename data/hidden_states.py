@@ -6,7 +6,9 @@
     for batch in loader:   # input_ids, loss_mask, attention_mask [B, T]; aux [B, T, 3·H]; hidden [B, T, H]
         logits = target.logits(batch["hidden"])                  # store="logits": batch["logits"] [B, T, V]
 
-`aux_layers` follows `TargetModel.forward`: the residual stream *entering* each listed layer.
+`aux_layers` follows `TargetModel.forward`: the residual stream *entering* each listed layer. For a training
+recipe with `data.hidden_states: DIR`, `train-eagle --recipe R --dump-hidden-states` dumps its rows into DIR, and the
+trainer reads them from there.
 
 Layout of the output directory; conversation i is the i-th row of the dumped dataset:
 
@@ -66,7 +68,8 @@ def _metadata(target: TargetModel, aux_layers: Sequence[int], store: str) -> dic
 
 def _read_index(path: Path) -> dict:
     if not (path / INDEX).is_file():
-        raise FileNotFoundError(f"{path}: no {INDEX}; dump hidden states there with dump_hidden_states first")
+        raise FileNotFoundError(f"{path}: no {INDEX}; dump hidden states there first (dump_hidden_states; for a "
+                                "training recipe with data.hidden_states: train-eagle --recipe R --dump-hidden-states)")
     return json.loads((path / INDEX).read_text())
 
 

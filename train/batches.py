@@ -1,51 +1,60 @@
-"""Training batches: `{"input_ids", "loss_mask", "attention_mask"}`, each [B, T] int64.
+"""Training batches: `{"input_ids", "loss_mask", "attention_mask"}`, each [B, T] int64, plus, in offline training,
+the target's dumped states `aux` [B, T, 3·Ht] and `hidden` [B, T, Ht] (or `logits` [B, T, V]).
 
-The trainer reads them from a sequence (a list, or `train.data.Batches` over tokenized conversations);
-`synthetic_batches` makes random ones for CI, whose draft vocabulary is their most frequent assistant tokens
-(`hot_vocab_from_batches`).
+`Batches` collates them from rows (a tokenized data set, `synthetic_rows` for CI, or the dumped hidden states of
+either) by groups of row indices; `micro_batches` deals them out to ranks, epoch after epoch.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
+from datasets import Dataset
 from torch import Tensor
 
-from eyas.common.hot_vocab import HotVocab
+from eyas.data.hidden_states import collate_hidden_states
 
 from .config import SyntheticData
 
 Batch = dict[str, Tensor]
 
 
-def synthetic_batches(cfg: SyntheticData, vocab_size: int) -> list[Batch]:
-    """Random rows; the first `assistant_fraction` of each row is the prompt (loss_mask 0).
+class Batches(Sequence):
+    """Micro-batches of `rows` (row i: a dict of `input_ids`, `loss_mask` [T] and any per-token states [T, ...]),
+    one per group of row indices, right-padded to a multiple of `pad_multiple`; collated on access, so skipping
+    costs nothing."""
+
+    def __init__(self, rows: Sequence[dict], groups: list[list[int]], pad_multiple: int = 1):
+        self.rows, self.groups, self.pad_multiple = rows, groups, pad_multiple
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: int) -> Batch:
+        batch = collate_hidden_states([self.rows[j] for j in self.groups[i]])
+        pad = -batch["input_ids"].shape[1] % self.pad_multiple
+        # Pad dim 1 (T) of [B, T] and [B, T, X] alike; padding is masked out of attention and loss.
+        return {k: F.pad(v, (0, 0) * (v.dim() - 2) + (0, pad)) for k, v in batch.items()}
+
+
+def synthetic_rows(cfg: SyntheticData, vocab_size: int) -> Dataset:
+    """`num_batches · batch_size` random rows of `seq_len` tokens; the first `1 - assistant_fraction` of each row is
+    the prompt (loss_mask 0). Batched in order, `batch_size` at a time.
 
     Token ids follow a skewed distribution (squares of uniform draws), so the draft vocabulary has frequent
     tokens to pick, as real text does.
     """
     g = torch.Generator().manual_seed(cfg.seed)
     prompt = int(cfg.seq_len * (1 - cfg.assistant_fraction))
-    batches = []
+    input_ids = []
     for _ in range(cfg.num_batches):
         u = torch.rand(cfg.batch_size, cfg.seq_len, generator=g)
-        input_ids = (u * u * vocab_size).long().clamp(max=vocab_size - 1)
-        loss_mask = torch.ones_like(input_ids)
-        loss_mask[:, :prompt] = 0
-        batches.append({"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(input_ids)})
-    return batches
-
-
-def hot_vocab_from_batches(batches: Iterable[Batch], vocab_size: int, size: int) -> HotVocab:
-    """The `size` most frequent assistant tokens (EAGLE-3 order: ascending id); ties and unseen ids as
-    `HotVocab.from_counts` resolves them."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for batch in batches:
-        ids = batch["input_ids"][(batch["loss_mask"] & batch["attention_mask"]).bool()]
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return HotVocab.from_counts(counts, min(size, vocab_size))
+        input_ids += (u * u * vocab_size).long().clamp(max=vocab_size - 1).tolist()
+    loss_mask = [[0] * prompt + [1] * (cfg.seq_len - prompt)] * len(input_ids)
+    return Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_mask})
 
 
 def micro_batches(batches: Sequence[Batch], start: int, rank: int, world_size: int) -> Iterator[tuple[int, Batch]]:

@@ -6,6 +6,13 @@
 
 `--recipe` is a YAML path or the name of a file in recipes/; each `--set dotted.key=value` overrides one
 field (YAML scalar syntax). Rerunning the same command resumes from the latest checkpoint in --output.
+
+Offline hidden states (a recipe with `data.hidden_states: DIR`): first dump them, once, in one process on one
+device that holds the whole target; rerun the same command to resume an interrupted dump. Training then reads
+DIR and loads only the target's embedding, final norm and lm_head:
+
+    train-eagle --recipe R --set data.hidden_states=/data/states --dump-hidden-states
+    deepspeed --num_gpus 8 --module eyas.train.cli --recipe R --set data.hidden_states=/data/states --output runs/x
 """
 
 from __future__ import annotations
@@ -15,19 +22,30 @@ import argparse
 import torch.distributed as dist
 
 from .config import load_recipe
-from .trainer import train
+from .trainer import dump, train
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="train-eagle", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="train-eagle", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--recipe", required=True, help="a YAML path or a name in recipes/")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe field, e.g. optim.lr=3e-4 (repeatable)")
-    parser.add_argument("--output", required=True, help="run directory (metrics, checkpoints, final head)")
+    parser.add_argument("--output", help="run directory (metrics, checkpoints, final head); needed to train")
+    parser.add_argument("--dump-hidden-states", action="store_true",
+                        help="instead of training, run the whole target over the recipe's data and write its hidden "
+                        "states into the recipe's data.hidden_states, for training from them later (offline)")
     # The deepspeed launcher passes --local_rank; the rank is read from the environment instead.
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    train(load_recipe(args.recipe, args.overrides), args.output)
+    if not args.dump_hidden_states and args.output is None:
+        parser.error("--output is required (except with --dump-hidden-states)")
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.dump_hidden_states:
+        dump(recipe)
+    else:
+        train(recipe, args.output)
     if dist.is_initialized():
         dist.destroy_process_group()
 

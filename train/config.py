@@ -76,10 +76,15 @@ class SyntheticData:
 @dataclass
 class DataConfig(dataset.DataConfig):
     """Conversations (a file, or a packaged data set such as `sharegpt`) or synthetic rows. The inherited
-    fields (max_length, format, num_proc, cache_dir) say how `eyas.data.dataset.build_dataset` tokenizes."""
+    fields (max_length, format, num_proc, cache_dir) say how `eyas.data.dataset.build_dataset` tokenizes.
+
+    With `hidden_states` (offline training), `train-eagle --dump-hidden-states` runs the whole target once over
+    these rows and writes its hidden states there; training then reads them, row for row, instead of running
+    the target, of which it loads only the embedding, final norm and lm_head."""
 
     path: str | None = None  # a ShareGPT JSON / messages JSONL / UltraChat file, or a packaged asset name
     synthetic: SyntheticData | None = None
+    hidden_states: str | None = None  # offline: a directory of dumped hidden states (eyas.data.hidden_states)
     tokenizer: str | None = None  # a target path or packaged model name; None: the target's (needed for random_target)
     max_bytes: int | None = None  # read only the file's first bytes (a quick subset of a large file)
     max_conversations: int | None = None  # then keep at most this many rows (after tokenizing)
@@ -91,7 +96,7 @@ class DataConfig(dataset.DataConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.path is not None and self.synthetic is not None:
-            raise ValueError("set at most one of 'path' and 'synthetic' (neither: batches are passed to `train`)")
+            raise ValueError("set at most one of 'path' and 'synthetic'")
         if not 0 <= self.eval_fraction < 1 or min(self.batch_size, self.bucket, self.pad_multiple) < 1:
             raise ValueError("need 0 <= eval_fraction < 1 and batch_size, bucket, pad_multiple >= 1")
 
@@ -137,12 +142,12 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
-    zero_stage: int = 1  # 0, 1 or 2 (the head is small; stage 3 would need gathering at export)
-    extra: dict = field(default_factory=dict)  # merged last into the generated DeepSpeed config
+    zero_stage: int = 1  # 0-3; 3 also partitions the head's parameters (gathered in each forward and at export)
+    extra: dict = field(default_factory=dict)  # merged last into the generated DeepSpeed config (optim.py)
 
     def __post_init__(self):
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
 
 @dataclass(frozen=True)

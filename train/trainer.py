@@ -1,14 +1,17 @@
-"""The EAGLE-3 trainer: frozen target (online hidden states) -> head unrolled with training-time test -> DeepSpeed.
+"""The EAGLE-3 trainer: frozen target (online or dumped hidden states) -> head unrolled with training-time test ->
+DeepSpeed.
 
     from eyas.train.config import load_recipe
-    from eyas.train.trainer import train
+    from eyas.train.trainer import dump, train
     train(load_recipe("ci-tiny"), "runs/ci-tiny")   # -> runs/ci-tiny/final (EAGLE-3 head directory)
+    dump(recipe)        # offline: the target's hidden states over the recipe's rows -> data.hidden_states
 
 One optimizer step = `optim.grad_accum` micro-batches per rank. Per micro-batch: the target runs without
-gradient and yields the residual streams entering `aux_layers` ([B, T, 3·Ht]) and its logits ([B, T, V]);
-`ttt_loss` unrolls the head over them; DeepSpeed owns backward, accumulation, clipping, the ZeRO-partitioned
-AdamW step and the warmup + cosine schedule. Data: `data.path` (tokenized conversations, train.data) or
-`data.synthetic`; with `data.eval_fraction`, the held-out rows are evaluated before training, every
+gradient and yields the residual streams entering `aux_layers` ([B, T, 3·Ht]) and its logits ([B, T, V]), or,
+with `data.hidden_states`, they are read from the states `dump` wrote there (train.target); `ttt_loss` unrolls the
+head over them; DeepSpeed owns backward, accumulation, clipping, the ZeRO-partitioned AdamW step (ZeRO-3 also
+partitions the head's parameters) and the warmup + cosine schedule. Data: `data.path` (tokenized conversations,
+train.data) or `data.synthetic`; with `data.eval_fraction`, the held-out rows are evaluated before training, every
 `logging.eval_every` steps and at the end. Outputs under `<output>/`:
 
     recipe.yaml          the recipe as run
@@ -21,6 +24,7 @@ AdamW step and the warmup + cosine schedule. Data: `data.path` (tokenized conver
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -38,22 +42,21 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from eyas.common.architectures import random_target
 from eyas.common.assets import resolve_target
-from eyas.common.attention import CausalAttention, MaskedAttention
 from eyas.common.config import TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import export_speculators, save_eagle3
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
-from eyas.data.tokenizer import load_tokenizer
+from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
 
 from . import checkpoint
-from .batches import Batch, hot_vocab_from_batches, micro_batches, synthetic_batches
-from .config import ModelConfig, RandomTarget, TrainRecipe
-from .data import TrainData, load_data
+from .batches import Batch, micro_batches
+from .config import ModelConfig, TrainRecipe
+from .data import TrainData, load_data, load_rows
 from .metrics import MetricsLog
 from .optim import build_optimizer, deepspeed_config
+from .target import load_target, target_states
 from .ttt import TTTOutput, ttt_loss
 
 
@@ -71,64 +74,27 @@ class TTTModule(nn.Module):
                         steps=self.steps, decay=self.decay)
 
 
-def build_random_target(cfg: RandomTarget) -> TargetModel:
-    """A random Llama decoder; lm_head drawn N(0, 1/H) so the logits have unit scale and the target's
-    distributions are peaked enough to learn from (PyTorch's default init gives nearly flat ones)."""
-    config = TargetConfig.from_hf({
-        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-    }, source="model.random_target")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = TargetModel(config)
-        nn.init.normal_(model.lm_head.weight, std=cfg.hidden_size**-0.5)
-    return model.eval()
+def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
+    """The head a recipe trains: shaped like one target layer, over `model.draft_vocab_size` tokens (capped at the
+    target's vocab, as the draft vocabulary is), fusing the streams entering `model.aux_layers` (None: the default
+    [2, L//2, L-3], which the exported config then leaves implicit)."""
+    aux = tuple(cfg.aux_layers) if cfg.aux_layers is not None else None
+    return Eagle3Config.for_target(target, min(cfg.draft_vocab_size, target.vocab_size), aux_layers=aux)
 
 
-def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> TargetModel:
-    if cfg.random_target is not None:
-        target = build_random_target(cfg.random_target).to(dtype=dtype, device=device)
-        target.rotary.reset_parameters(device)  # inv_freq stays fp32
-    elif cfg.random_arch is not None:
-        target = random_target(cfg.random_arch, dtype, device)
-    else:
-        target = TargetModel.from_pretrained(resolve_target(cfg.target), dtype=dtype, device=device)
-    return target.requires_grad_(False).eval()
-
-
-def build_head(cfg: ModelConfig, target: TargetModel, hot: HotVocab) -> Eagle3Head:
-    """A head shaped like one target layer. With `init_from_target`, the parts whose meaning the target fixes
+def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab, init_from_target: bool) -> Eagle3Head:
+    """A head of `config` (`head_config`). With `init_from_target`, the parts whose meaning the target fixes
     start from it: lm_head row i = the target's lm_head row of token hot_ids[i], and the final norm = the
     target's final norm (the head's output plays the role of the target's last residual stream). The rest
     (fc, the layer) is PyTorch's default init: there is no target counterpart of their 2H/3H-wide inputs."""
-    aux = tuple(cfg.aux_layers) if cfg.aux_layers is not None else None
-    config = Eagle3Config.for_target(target.config, hot.draft_vocab_size, aux_layers=aux)
     head = Eagle3Head(config)
     head.set_hot_vocab(hot)
-    if cfg.init_from_target:
+    if init_from_target:
         with torch.no_grad():
             rows = hot.hot_ids.to(target.lm_head_weight.device)
             head.lm_head.weight.copy_(target.lm_head_weight.index_select(0, rows))
             head.norm.weight.copy_(target.model.norm.weight)
     return head
-
-
-@torch.no_grad()
-def target_forward(target: TargetModel, batch: Batch, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """(aux [B, T, 3·Ht], logits [B, T, V]). Padded keys are masked out, so padding may sit at either end."""
-    input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
-    B, T = input_ids.shape
-    positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    if valid.all():
-        attn = CausalAttention()
-    else:  # causal over real keys; every query also sees itself, so no softmax row is empty
-        idx = torch.arange(T, device=input_ids.device)
-        mask = (idx[:, None] >= idx[None]) & (valid[:, None, :] | (idx[:, None] == idx[None]))  # [B, T, T]
-        attn = MaskedAttention(mask)
-    out = target(input_ids, positions, attn, aux_layers=aux_layers)
-    return out.aux, target.logits(out.hidden)
 
 
 def _init_distributed() -> tuple[int, int, int]:
@@ -163,19 +129,23 @@ def _verifier_architectures(cfg: ModelConfig) -> list[str]:
     return read_json(config).get("architectures", ["LlamaForCausalLM"])
 
 
-def _prepare_data(recipe: TrainRecipe, vocab_size: int, rank: int) -> TrainData:
-    """Tokenized conversations (rank 0 fills `datasets`' cache first, the other ranks then read it)."""
-    cfg = recipe.data
-    source = cfg.tokenizer or recipe.model.target
-    if source is None:
-        raise ValueError("data.path with model.random_target needs data.tokenizer (a target whose tokenizer to use)")
+def _dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def _prepare_data(recipe: TrainRecipe, target: TargetModel, aux_layers: tuple[int, ...], rank: int) -> TrainData:
+    """The recipe's rows, split and batched (rank 0 fills `datasets`' cache first, the other ranks then read it);
+    offline, the batches read the hidden states dumped for them (refused if dumped from another target)."""
     if rank != 0:
         dist.barrier()
-    data = load_data(cfg, load_tokenizer(resolve_target(source)), vocab_size, recipe.model.draft_vocab_size,
-                     recipe.seed)
+    vocab_size = target.config.vocab_size
+    rows = load_rows(recipe, vocab_size)
     if rank == 0:
         dist.barrier()
-    return data
+    path = recipe.data.hidden_states
+    states = HiddenStateDataset(path, target, aux_layers) if path is not None else None
+    return load_data(recipe.data, rows, vocab_size, recipe.model.draft_vocab_size, recipe.seed, states)
 
 
 def _summary(totals: Tensor, steps: int, micro_batches: int) -> dict:
@@ -194,61 +164,45 @@ def _totals(out: TTTOutput) -> Tensor:
 @torch.no_grad()
 def evaluate(module: TTTModule, target: TargetModel, batches: Sequence[Batch], aux_layers: tuple[int, ...],
              rank: int, world_size: int) -> dict:
-    """Per-step accuracy, τ and loss of the head on held-out batches (split over ranks), as `_summary` gives."""
+    """Per-step accuracy, τ and loss of the head on held-out batches (split over ranks), as `_summary` gives.
+
+    Every rank runs as many forwards (ZeRO-3 gathers the head's parameters collectively in each): in the last
+    round, a rank left without a batch reruns one and drops its result."""
     device = target.embed_tokens.weight.device
     totals = torch.zeros(1 + 2 * module.steps, dtype=torch.float64, device=device)
-    mine = range(rank, len(batches), world_size)
-    for j in mine:
-        batch = {k: v.to(device) for k, v in batches[j].items()}
-        aux, logits = target_forward(target, batch, aux_layers)
-        totals += _totals(module(target.embed_tokens.weight, batch["input_ids"], aux, logits, batch["loss_mask"],
-                                 batch["attention_mask"]))
-    n = torch.tensor([len(mine)], device=device)
+    for j in range(rank, math.ceil(len(batches) / world_size) * world_size, world_size):
+        batch = {k: v.to(device) for k, v in batches[j % len(batches)].items()}
+        aux, logits = target_states(target, batch, aux_layers)
+        out = module(target.embed_tokens.weight, batch["input_ids"], aux, logits, batch["loss_mask"],
+                     batch["attention_mask"])
+        if j < len(batches):
+            totals += _totals(out)
     if world_size > 1:
         dist.all_reduce(totals)
-        dist.all_reduce(n)
-    return _summary(totals, module.steps, int(n))
+    return _summary(totals, module.steps, len(batches))
 
 
-def train(
-    recipe: TrainRecipe,
-    output: str | Path,
-    batches: Sequence[Batch] | None = None,
-    hot_vocab: HotVocab | None = None,
-) -> Path | None:
-    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it.
-
-    batches: a sequence of {"input_ids", "loss_mask", "attention_mask"} [B, T] int64 (batch j of an epoch goes
-    to rank j % world size); None: the recipe's data (`data.path` or `data.synthetic`). hot_vocab: None takes
-    the data's most frequent assistant tokens.
-    """
+def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
+    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it."""
     output = Path(output)
     rank, local_rank, world_size = _init_distributed()
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
-    bf16 = recipe.model.precision == "bf16" or (recipe.model.precision == "auto" and device.type == "cuda")
+    dtype = _dtype(recipe.model, device)
     _seed(recipe.seed)
     started = time.perf_counter()
 
-    target = load_target(recipe.model, torch.bfloat16 if bf16 else torch.float32, device)
-    vocab_size = target.config.vocab_size
-    eval_batches = None
-    if batches is None and recipe.data.path is not None:
-        data = _prepare_data(recipe, vocab_size, rank)
-        batches, eval_batches, hot_vocab = data.train, data.eval, hot_vocab or data.hot
-    elif batches is None:
-        if recipe.data.synthetic is None:
-            raise ValueError("no training data: set data.path or data.synthetic in the recipe, or pass batches")
-        batches = synthetic_batches(recipe.data.synthetic, vocab_size)
-    hot = hot_vocab or hot_vocab_from_batches(batches, vocab_size, recipe.model.draft_vocab_size)
-    head = build_head(recipe.model, target, hot)
-    aux_layers = head.config.aux_layers_for(target.config)
+    target = load_target(recipe.model, dtype, device, layers=recipe.data.hidden_states is None)
+    config = head_config(recipe.model, target.config)
+    aux_layers = config.aux_layers_for(target.config)
+    data = _prepare_data(recipe, target, aux_layers, rank)
+    batches, eval_batches = data.train, data.eval
+    head = build_head(config, target, data.hot, recipe.model.init_from_target)
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
-    micro_batch_size = batches[0]["input_ids"].shape[0]
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=schedule,
-        config=deepspeed_config(recipe, micro_batch_size, bf16),
+        config=deepspeed_config(recipe, len(batches.groups[0]), bf16=dtype == torch.bfloat16),
     )
 
     ckpt_root = output / "checkpoints"
@@ -275,7 +229,7 @@ def train(
     bar = tqdm(total=recipe.optim.total_steps, initial=step, disable=rank != 0 or not recipe.logging.progress,
                desc="train-eagle")
 
-    data = micro_batches(batches, position, rank, world_size)
+    stream = micro_batches(batches, position, rank, world_size)
     embed = target.embed_tokens.weight
     steps = recipe.ttt.steps
     seen = 0  # real tokens through the target in this process
@@ -285,11 +239,11 @@ def train(
         totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
         lr = schedule.get_last_lr()[0]  # the lr of this step's update (the schedule advances after it)
         for _ in range(recipe.optim.grad_accum):
-            position, batch = next(data)
+            position, batch = next(stream)
             position += 1
             batch = {k: v.to(device) for k, v in batch.items()}
             seen += int(batch["attention_mask"].sum())
-            aux, logits = target_forward(target, batch, aux_layers)
+            aux, logits = target_states(target, batch, aux_layers)
             out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
             engine.backward(out.loss)
             engine.step()
@@ -328,14 +282,33 @@ def train(
         return None
 
     final, head = output / "final", engine.module.head
-    if rank == 0:
-        _atomic_export(final, lambda p: save_eagle3(head, p))
-        _atomic_export(output / "final-speculators", lambda p: export_speculators(
-            head, p, verifier=recipe.model.target or "random-target",
-            verifier_architectures=_verifier_architectures(recipe.model), speculative_tokens=steps,
-        ))
-        if final_eval is not None:
-            (final / "eval.json").write_text(json.dumps(final_eval, indent=1) + "\n")
+    # Under ZeRO-3 each rank holds a slice of each parameter: every rank joins in gathering the whole head
+    # (a no-op at stages 0-2), rank 0 writes it.
+    with deepspeed.zero.GatheredParameters(list(head.parameters())):
+        if rank == 0:
+            _atomic_export(final, lambda p: save_eagle3(head, p))
+            _atomic_export(output / "final-speculators", lambda p: export_speculators(
+                head, p, verifier=recipe.model.target or "random-target",
+                verifier_architectures=_verifier_architectures(recipe.model), speculative_tokens=steps,
+            ))
+            if final_eval is not None:
+                (final / "eval.json").write_text(json.dumps(final_eval, indent=1) + "\n")
     if world_size > 1:
         dist.barrier()
     return final
+
+
+def dump(recipe: TrainRecipe) -> Path:
+    """Offline training's first part (`train-eagle --dump-hidden-states`): runs the recipe's whole target once over
+    its rows (train.data.load_rows) and writes the hidden states `train` then reads into `data.hidden_states`
+    (layout: eyas.data.hidden_states). One process on one device; rerun after an interruption, it resumes."""
+    if recipe.data.hidden_states is None:
+        raise ValueError("the dump writes into data.hidden_states: set it in the recipe or with --set "
+                         "data.hidden_states=DIR")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("the dump runs in one process: start it with train-eagle, not a distributed launcher")
+    device = torch.device(get_accelerator().device_name(0))
+    target = load_target(recipe.model, _dtype(recipe.model, device), device)
+    aux_layers = head_config(recipe.model, target.config).aux_layers_for(target.config)
+    dump_hidden_states(target, load_rows(recipe, target.config.vocab_size), recipe.data.hidden_states, aux_layers)
+    return Path(recipe.data.hidden_states)

@@ -21,7 +21,7 @@ with it, a real t and a real x_{t+2+i} imply that every position between them is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -113,8 +113,7 @@ def acceptance_length(acc: Tensor) -> Tensor:
     return 1 + acc.cumprod(0).sum()
 
 
-@dataclass
-class TTTOutput:
+class TTTOutput(NamedTuple):  # a tuple, whose tensors DeepSpeed's ZeRO-3 hooks can find (not so a dataclass)
     loss: Tensor  # scalar, Σ_i decay^i · per_step_loss[i]; the only field that carries gradient
     per_step_loss: Tensor  # [k] soft-label cross-entropy, mean over the counted positions of step i
     per_step_acc: Tensor  # [k] draft argmax == target argmax, fraction of the counted positions of step i

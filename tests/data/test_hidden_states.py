@@ -8,7 +8,7 @@ from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
 from eyas.data.dataset import collate
 from eyas.data.hidden_states import HiddenStateDataset, collate_hidden_states, dump_hidden_states
-from eyas.train.trainer import target_forward
+from eyas.train.target import target_forward
 from eyas.train.ttt import ttt_loss
 
 SHARD_MB = 0.05  # ~2-3 of these conversations per shard (a token is (3+1)·64·4 B of fp32 states)

@@ -1,20 +1,25 @@
 """Real data through the trainer: SmolLM2's tokenizer and chat template, a 20-conversation JSONL, a tiny random
 target with SmolLM2's vocabulary. The split is disjoint and seeded, batches group similar lengths, the draft
-vocabulary comes from the training rows' assistant tokens, and the held-out evaluation is logged and exported."""
+vocabulary comes from the training rows' assistant tokens, and the held-out evaluation is logged and exported, also
+when training from dumped hidden states and by two ZeRO-3 processes."""
 
+import copy
 import itertools
 import json
 import random
+import subprocess
+import sys
 
 import pytest
+import yaml
 
-from eyas.common.assets import resolve_target
 from eyas.common.head_checkpoint import load_draft_head
-from eyas.data.tokenizer import load_tokenizer
 from eyas.train.batches import micro_batches
 from eyas.train.config import recipe_from_dict
-from eyas.train.data import length_groups, load_data
-from eyas.train.trainer import build_random_target, train
+from eyas.train.data import length_groups, load_data, load_rows
+from eyas.train.target import build_random_target
+from eyas.train.trainer import dump, train
+from tests.train import launcher_free_env, metrics
 
 TOKENIZER = "smollm2-135m-instruct"
 WORDS = "the draft head predicts tokens of the target model while it verifies many at once".split()
@@ -47,18 +52,20 @@ def recipe_values(conversations, tmp_path) -> dict:
 
 def test_split_batches_and_draft_vocab(conversations, tmp_path):
     recipe = recipe_from_dict(recipe_values(conversations, tmp_path))
-    data = load_data(recipe.data, load_tokenizer(resolve_target(TOKENIZER)), 49152, 64, seed=0)
-    train_rows, eval_rows = data.train.rows, data.eval.rows
+    rows = load_rows(recipe, 49152)
+    data = load_data(recipe.data, rows, 49152, 64, seed=0)
+    train_rows = [i for g in data.train.groups for i in g]
+    eval_rows = [i for g in data.eval.groups for i in g]
     assert (len(train_rows), len(eval_rows)) == (16, 4)
-    assert not set(map(tuple, train_rows["input_ids"])) & set(map(tuple, eval_rows["input_ids"]))
-    assert sorted(i for g in data.train.groups for i in g) == list(range(16))
+    assert sorted(train_rows + eval_rows) == list(range(20))  # disjoint, and every row is used
     batch = data.train[0]
     assert batch["input_ids"].shape[0] == 2 and batch["attention_mask"][:, -1].any()
     # Draft ids are assistant tokens of the training rows (only 20 short answers: fewer than 64 distinct).
-    rows = zip(train_rows["input_ids"], train_rows["loss_mask"], strict=True)
-    seen = {t for ids, mask in rows for t, k in zip(ids, mask, strict=True) if k}
+    train_part = rows.select(train_rows)
+    seen = {t for ids, mask in zip(train_part["input_ids"], train_part["loss_mask"], strict=True)
+            for t, k in zip(ids, mask, strict=True) if k}
     assert seen <= set(data.hot.hot_ids.tolist())
-    again = load_data(recipe.data, load_tokenizer(resolve_target(TOKENIZER)), 49152, 64, seed=0)
+    again = load_data(recipe.data, load_rows(recipe, 49152), 49152, 64, seed=0)
     assert again.train.groups == data.train.groups and again.eval.groups == data.eval.groups
 
 
@@ -76,17 +83,74 @@ def test_micro_batches_resume_in_place():
     assert next(micro_batches(batches, 5, rank=1, world_size=2)) == (5, 3)
 
 
-def test_trainer_on_real_data(conversations, tmp_path):
+@pytest.fixture(scope="module")
+def real_values(conversations, tmp_path_factory) -> dict:
     # A random target's argmax is rarely among a few frequent tokens: draft over the whole vocab to count some.
-    values = recipe_values(conversations, tmp_path)
+    values = recipe_values(conversations, tmp_path_factory.mktemp("real"))
     values["model"]["draft_vocab_size"] = 49152
-    recipe = recipe_from_dict(values)
-    final = train(recipe, tmp_path / "run")
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return values
+
+
+@pytest.fixture(scope="module")
+def real_run(real_values, tmp_path_factory):
+    run = tmp_path_factory.mktemp("real-run")
+    assert train(recipe_from_dict(real_values), run) == run / "final"
+    return run
+
+
+def test_trainer_on_real_data(real_values, real_run):
+    records = metrics(real_run)
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2, 4]
     assert all(r["tokens"] > 0 and len(r["acc"]) == 2 and 1 <= r["tau"] <= 3 for r in evals)
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
-    assert json.loads((final / "eval.json").read_text()) == evals[-1]
-    head = load_draft_head(final, build_random_target(recipe.model.random_target))
+    assert json.loads((real_run / "final" / "eval.json").read_text()) == evals[-1]
+    head = load_draft_head(real_run / "final", build_random_target(recipe_from_dict(real_values).model.random_target))
     assert head.config.vocab_size == head.config.draft_vocab_size == 49152
+
+
+def test_offline_on_real_data(real_values, real_run, tmp_path):
+    """Trained from dumped hidden states, the same split and batches: the online run's train and eval records."""
+    values = copy.deepcopy(real_values)
+    values["data"]["hidden_states"] = str(tmp_path / "states")
+    recipe = recipe_from_dict(values)
+    dump(recipe)
+    train(recipe, tmp_path / "run")
+    online, offline = metrics(real_run), metrics(tmp_path / "run")
+    assert [(r["split"], r["step"], r["tokens"]) for r in offline] == [(r["split"], r["step"], r["tokens"])
+                                                                        for r in online]
+    for want, got in zip(online, offline, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["acc"] == pytest.approx(want["acc"])
+
+
+def test_zero3_on_two_processes(real_values, tmp_path):
+    """Two CPU processes, ZeRO-3 with every parameter partitioned, 3 held-out micro-batches: each rank runs as many
+    forwards (ZeRO-3 gathers in each, so the last round's lone batch would leave the other rank waiting forever), and
+    the evaluation of the untrained head is the one-process one; the head exported from the partitions loads."""
+    values = copy.deepcopy(real_values)
+    values["data"]["eval_fraction"] = 0.25  # 5 rows: micro-batches of 2, 2 and 1
+    values["optim"]["total_steps"] = 2
+    values["deepspeed"] = {"zero_stage": 3, "extra": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "eyas.train.cli", "--recipe", str(path), "--output", str(tmp_path / "two")]
+    log, limit = tmp_path / "two.log", 240  # seconds; ~25 on 2 busy cores
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                    env=launcher_free_env() | {"OMP_NUM_THREADS": "1"})
+        try:
+            assert launcher.wait(timeout=limit) == 0, log.read_text()
+        except subprocess.TimeoutExpired:
+            launcher.terminate()  # on SIGTERM the launcher kills its workers (each in a session of its own)
+            launcher.wait()
+            raise AssertionError(f"the two processes did not finish in {limit} s:\n" + log.read_text()) from None
+
+    recipe = recipe_from_dict(values)
+    train(recipe, tmp_path / "one")
+    one, two = (json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0]) for run in ("one", "two"))
+    assert one["split"] == two["split"] == "eval" and one["step"] == two["step"] == 0
+    assert two["tokens"] == one["tokens"] > 0
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["acc"] == pytest.approx(one["acc"])
+    head = load_draft_head(tmp_path / "two" / "final", build_random_target(recipe.model.random_target))
+    assert head.config.draft_vocab_size == 49152

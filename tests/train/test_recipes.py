@@ -42,7 +42,7 @@ def test_set_overrides():
     (["optim.lr=fast"], ["ci-tiny.yaml", "optim", "'lr'", "'fast'"]),
     (["ttt.steps=2.5"], ["ttt", "'steps'"]),
     (["checkpoint.every=true"], ["checkpoint", "'every'"]),
-    (["deepspeed.zero_stage=3"], ["deepspeed", "zero_stage"]),
+    (["deepspeed.zero_stage=4"], ["deepspeed", "zero_stage"]),
     (["optim.lr"], ["--set", "optim.lr", "KEY=VALUE"]),
     (["optim.lr.x=1"], ["--set", "'optim.lr' is not a section"]),
     (["optim=3"], ["'optim' should be a mapping"]),

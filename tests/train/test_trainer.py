@@ -1,8 +1,8 @@
 """The trainer end to end through DeepSpeed (one CPU process): ci-tiny writes metrics, checkpoints and a head
-that loads; a run stopped mid-way, or killed with SIGKILL, resumes to bit-identical weights and metrics; the
-loss falls on an overfit."""
+that loads; a run stopped mid-way, or killed with SIGKILL (training online or from dumped hidden states), resumes to
+bit-identical weights and metrics; ZeRO-3 trains, resumes and exports as ZeRO-1 does; the loss falls on an
+overfit."""
 
-import json
 import os
 import signal
 import subprocess
@@ -16,16 +16,14 @@ from safetensors.torch import load_file
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.train import checkpoint
 from eyas.train.config import load_recipe
-from eyas.train.optim import lr_factor
-from eyas.train.trainer import build_random_target, train
+from eyas.train.optim import deepspeed_config, lr_factor
+from eyas.train.target import build_random_target
+from eyas.train.trainer import dump, train
+from tests.train import launcher_free_env, metrics
 
 QUIET = ["logging.progress=false"]
-
-
-def metrics(run):
-    """The logged records, less their wall times (which no two runs share)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+# Every parameter partitioned: DeepSpeed keeps those under 1e5 elements (all of ci-tiny's head) whole by default.
+ZERO3 = ["deepspeed.zero_stage=3", 'deepspeed.extra={"zero_optimization": {"stage3_param_persistence_threshold": 0}}']
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +64,27 @@ def test_resume_is_exact(full_run, tmp_path):
         assert torch.equal(want[name], got[name]), name
 
 
+def test_zero3_matches_zero1(full_run, tmp_path):
+    """ZeRO-3, stopped after step 3 and resumed from its step-2 checkpoint: the losses and accuracies of the
+    uninterrupted ZeRO-1 run, and its head, gathered whole for export."""
+    recipe, run = full_run
+    assert train(load_recipe("ci-tiny", QUIET + ZERO3 + ["checkpoint.stop_after=3"]), tmp_path) is None
+    assert train(load_recipe("ci-tiny", QUIET + ZERO3), tmp_path) == tmp_path / "final"
+    want, got = metrics(run), metrics(tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["acc"] == pytest.approx(a["acc"], abs=1e-6)
+    target = build_random_target(recipe.model.random_target)
+    zero1, zero3 = load_draft_head(run / "final", target), load_draft_head(tmp_path / "final", target)
+    for name, tensor in zero1.state_dict().items():
+        torch.testing.assert_close(zero3.state_dict()[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_deepspeed_extra_merges_into_sections():
+    zero = deepspeed_config(load_recipe("ci-tiny", ZERO3), micro_batch_size=2, bf16=False)["zero_optimization"]
+    assert zero == {"stage": 3, "memory_efficient_linear": False, "stage3_param_persistence_threshold": 0}
+
+
 def test_loss_falls_on_an_overfit(tmp_path):
     recipe = load_recipe("ci-tiny", QUIET + [
         "data.synthetic.num_batches=1", "optim.grad_accum=1", "optim.total_steps=15", "optim.warmup_steps=0",
@@ -93,18 +112,19 @@ def test_lr_schedule():
     assert lr_factor(5, 0, 5, 0.1) == pytest.approx(0.1)
 
 
-def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path):
+@pytest.mark.parametrize("offline", [False, True], ids=["online", "offline"])
+def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path, offline):
     """A `train-eagle` process killed with SIGKILL (no chance to clean up) after a checkpoint: rerunning the
     same command finishes with the weights of an uninterrupted run."""
     overrides = QUIET + ["optim.total_steps=60", "optim.warmup_steps=5", "checkpoint.every=5"]
+    if offline:
+        overrides.append(f"data.hidden_states={tmp_path / 'states'}")
+        dump(load_recipe("ci-tiny", overrides))
     command = [sys.executable, "-m", "eyas.train.cli", "--recipe", "ci-tiny", "--output", str(tmp_path / "killed")]
     for item in overrides:
         command += ["--set", item]
-    # A fresh process group: earlier in-process runs left this process's rendezvous variables in os.environ.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
     with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=launcher_free_env())
         deadline = time.monotonic() + 300
         while not (tmp_path / "killed/checkpoints/step_10").exists():
             if process.poll() is not None or time.monotonic() > deadline:

@@ -1,0 +1,99 @@
+"""The frozen target as the trainer uses it: whole (online: it computes the hidden states) or, offline, only the
+parts the loss needs, and a batch's hidden states, computed or read from the dump the batch carries.
+
+    target = load_target(recipe.model, torch.bfloat16, device, layers=recipe.data.hidden_states is None)
+    aux, logits = target_states(target, batch, aux_layers)    # [B, T, 3·Ht], [B, T, V]
+
+Offline, the loss still needs the target's embedding (the head's token inputs) and its lm_head (logits from the
+dumped final hidden states); the final norm starts the head's (`trainer.build_head`) and, with the lm_head,
+identifies the target the states were dumped from (`eyas.data.hidden_states.target_fingerprint`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from eyas.common.architectures import random_target
+from eyas.common.assets import resolve_target
+from eyas.common.attention import CausalAttention, MaskedAttention
+from eyas.common.checkpoint import read_target_tensors, target_config
+from eyas.common.config import TargetConfig
+from eyas.common.target import TargetModel
+
+from .batches import Batch
+from .config import ModelConfig, RandomTarget
+
+
+def build_random_target(cfg: RandomTarget) -> TargetModel:
+    """A random Llama decoder; lm_head drawn N(0, 1/H) so the logits have unit scale and the target's
+    distributions are peaked enough to learn from (PyTorch's default init gives nearly flat ones)."""
+    config = TargetConfig.from_hf({
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+    }, source="model.random_target")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = TargetModel(config)
+        nn.init.normal_(model.lm_head.weight, std=cfg.hidden_size**-0.5)
+    return model.eval()
+
+
+def load_target_ends(path: Path, dtype: torch.dtype, device: torch.device) -> TargetModel:
+    """The target of checkpoint `path` with only its embedding, final norm and lm_head loaded; its decoder layers
+    stay on the meta device (no memory, and running them fails: a meta weight meets a real input)."""
+    config = target_config(path)
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_word_embeddings else
+                                                                  ["lm_head.weight"])
+    with torch.device("meta"):
+        target = TargetModel(config)
+    tensors = read_target_tensors(path, names)
+    target.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, strict=False,
+                           assign=True)
+    return target
+
+
+def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layers: bool = True) -> TargetModel:
+    """The frozen target; `layers=False` (offline) loads a checkpoint's ends only (`load_target_ends`). Random
+    targets are built whole either way: they have no checkpoint to read a part of."""
+    if cfg.random_target is not None:
+        target = build_random_target(cfg.random_target).to(dtype=dtype, device=device)
+        target.rotary.reset_parameters(device)  # inv_freq stays fp32
+    elif cfg.random_arch is not None:
+        target = random_target(cfg.random_arch, dtype, device)
+    elif layers:
+        target = TargetModel.from_pretrained(resolve_target(cfg.target), dtype=dtype, device=device)
+    else:
+        target = load_target_ends(resolve_target(cfg.target), dtype, device)
+    return target.requires_grad_(False).eval()
+
+
+@torch.no_grad()
+def target_forward(target: TargetModel, batch: Batch, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """(aux [B, T, 3·Ht], logits [B, T, V]). Padded keys are masked out, so padding may sit at either end."""
+    input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    if valid.all():
+        attn = CausalAttention()
+    else:  # causal over real keys; every query also sees itself, so no softmax row is empty
+        idx = torch.arange(T, device=input_ids.device)
+        mask = (idx[:, None] >= idx[None]) & (valid[:, None, :] | (idx[:, None] == idx[None]))  # [B, T, T]
+        attn = MaskedAttention(mask)
+    out = target(input_ids, positions, attn, aux_layers=aux_layers)
+    return out.aux, target.logits(out.hidden)
+
+
+@torch.no_grad()
+def target_states(target: TargetModel, batch: Batch, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """(aux [B, T, 3·Ht], logits [B, T, V]) of a batch on the target's device: the target's forward, or the
+    states dumped for it (offline), cast to the target's dtype; logits = lm_head(the dumped final normed state)."""
+    if "aux" not in batch:
+        return target_forward(target, batch, aux_layers)
+    dtype = target.embed_tokens.weight.dtype
+    logits = batch["logits"] if "logits" in batch else target.logits(batch["hidden"].to(dtype))
+    return batch["aux"].to(dtype), logits.to(dtype)
