@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset, Features, Value
+from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
-from eyas.data.conversations import FORMATS, read_conversations
+from eyas.data.conversations import FORMATS, ConversationError, ReadReport, read_conversations
 from eyas.data.loss_mask import TemplateMismatch, mask_tokens, render_with_spans
 from eyas.data.tokenizer import end_of_turn_id
 
@@ -50,18 +51,23 @@ def load_conversations(path: str | Path, config: DataConfig | None = None, max_b
     config = config or DataConfig()
     path = Path(path).resolve()
     stat = path.stat()
-    return Dataset.from_generator(
-        _generate,
-        features=MESSAGES,
-        cache_dir=config.cache_dir,
-        # Strings, not lists: datasets shards list-valued gen_kwargs. `stamp` only keys the cache.
-        gen_kwargs={
-            "path": str(path),
-            "format": config.format,
-            "max_bytes": max_bytes,
-            "stamp": f"{stat.st_size}-{stat.st_mtime_ns}",
-        },
-    )
+    try:
+        return Dataset.from_generator(
+            _generate,
+            features=MESSAGES,
+            cache_dir=config.cache_dir,
+            # Strings, not lists: datasets shards list-valued gen_kwargs. `stamp` only keys the cache.
+            gen_kwargs={
+                "path": str(path),
+                "format": config.format,
+                "max_bytes": max_bytes,
+                "stamp": f"{stat.st_size}-{stat.st_mtime_ns}",
+            },
+        )
+    except DatasetGenerationError as e:  # datasets wraps the reader's error: show the reader's own message
+        if isinstance(e.__cause__, ConversationError):
+            raise e.__cause__ from None
+        raise
 
 
 def build_dataset(
@@ -93,8 +99,12 @@ def build_dataset(
 
 
 def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
-    for messages in read_conversations(path, format=format, max_bytes=max_bytes):
+    report = ReadReport()
+    for messages in read_conversations(path, format=format, max_bytes=max_bytes, report=report):
         yield {"messages": messages}
+    if report.conversations == 0:  # else `datasets` fails later with "Instruction 'train' corresponds to no data"
+        forced = f" (format {format!r} forced: set `format` to match the file, or leave it unset)" if format else ""
+        raise ConversationError(f"no usable conversation{forced}: {report.summary()}")
 
 
 def _tokenize_batch(

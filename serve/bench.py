@@ -29,7 +29,8 @@ from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel, default_dtype
 
-from .attention import add_attention_argument
+from .attention import add_engine_arguments
+from .autotune import format_setting, parse_setting, write_autotune
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -45,7 +46,9 @@ class Result:
     verify_ms: float
     accept_ms: float
     tokens_per_s: float
+    peak_gib: float  # peak GPU memory allocated during the run (0 on CPU)
     speedup: float = 1.0
+    step_vs_off: float = 1.0  # this setting's step time over the no-speculation step at the same batch size
 
 
 def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
@@ -58,17 +61,20 @@ def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
     return head.eval()
 
 
-def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
-                attention: str = "auto") -> Result:
+def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **engine) -> Result:
+    """`engine`: further EngineConfig fields (attention, cuda_graphs)."""
     block_size = 16
     longest = max(len(p) for p in prompts[:batch_size]) + max_new_tokens + 128  # + the largest tree's scratch
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), profile=True,
                           max_batch_size=batch_size, block_size=block_size,
-                          num_blocks=batch_size * -(-longest // block_size), attention=attention)
+                          num_blocks=batch_size * -(-longest // block_size), **engine)
     engine = Engine(target, head if shape else None, config)
     engine.generate(prompts[:batch_size], SamplingParams(temperature=0), 4)  # warm-up
     engine.timings.clear()
     engine.decode_steps = 0
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
     requests = engine.generate(prompts[:batch_size], SamplingParams(temperature=0), max_new_tokens)
     t = engine.timings
     steps = max(engine.decode_steps, 1)
@@ -77,9 +83,9 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     verifications = sum(len(r.accepted) for r in requests) or steps * batch_size
     tau = generated / verifications if shape else 1.0
     return Result(
-        batch_size, "off" if shape is None else f"{shape.num_steps},{shape.topk},{shape.num_draft_tokens}", tau,
+        batch_size, format_setting(shape), tau,
         1e3 * decode_s / steps, 1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
-        generated / decode_s,
+        generated / decode_s, torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
     )
 
 
@@ -132,11 +138,6 @@ def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -
     return total / seconds
 
 
-def parse_tree(text: str) -> TreeShape:
-    steps, topk, tokens = (int(x) for x in text.split(","))
-    return TreeShape(steps, topk, tokens)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench-eagle", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -148,13 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
-    parser.add_argument("--trees", type=parse_tree, nargs="+",
+    parser.add_argument("--trees", type=parse_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
-    add_attention_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     dtype = default_dtype(args.device)
@@ -175,22 +176,25 @@ def main(argv: list[str] | None = None) -> None:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
 
-    run_setting(target, head, None, prompts, 8, 1, args.attention)  # process-wide warm-up (kernel selection, allocator)
+    engine = {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph}
+    run_setting(target, head, None, prompts, 8, 1, **engine)  # process-wide warm-up (kernel selection, allocator)
     results: list[Result] = []
     for bs in args.batch_sizes:
-        base = run_setting(target, head, None, prompts, args.output_len, bs, args.attention)
+        base = run_setting(target, head, None, prompts, args.output_len, bs, **engine)
         results.append(base)
         for shape in args.trees:
-            r = run_setting(target, head, shape, prompts, args.output_len, bs, args.attention)
+            r = run_setting(target, head, shape, prompts, args.output_len, bs, **engine)
             r.speedup = r.tokens_per_s / base.tokens_per_s
+            r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)
             print(f"  batch {bs} tree {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
     print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
-          f"{'tok/s':>8} {'speedup':>7}")
+          f"{'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
     for r in results:
         print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
-              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f}")
+              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.step_vs_off:>6.2f} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} "
+              f"{r.peak_gib:>8.1f}")
     if args.device.startswith("cuda"):
         floor = weight_streaming_floor_ms(target)
         off = next(r for r in results if r.batch_size == 1 and r.setting == "off") if 1 in args.batch_sizes else None
@@ -204,11 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
     if args.autotune:
-        best = {}
-        for bs in args.batch_sizes:
-            fastest = max((r for r in results if r.batch_size == bs), key=lambda r: r.tokens_per_s)
-            best[str(bs)] = fastest.setting
-        args.autotune.write_text(json.dumps({"best_setting_by_batch_size": best}, indent=2) + "\n")
+        fastest = {bs: max((r for r in results if r.batch_size == bs), key=lambda r: r.tokens_per_s)
+                   for bs in args.batch_sizes}
+        write_autotune(args.autotune, {bs: parse_setting(r.setting) for bs, r in fastest.items()})
 
 
 if __name__ == "__main__":

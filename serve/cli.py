@@ -26,7 +26,8 @@ from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
-from .attention import add_attention_argument
+from .attention import add_engine_arguments
+from .autotune import read_autotune
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
@@ -76,12 +77,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=default_tree.topk, help="draft tree branching")
     parser.add_argument("--num-draft-tokens", type=int, default=default_tree.num_draft_tokens,
                         help="tree nodes verified per step, root included")
+    parser.add_argument("--autotune", type=Path,
+                        help="per-batch-size settings written by `bench-eagle --autotune FILE` (they replace the tree "
+                             "flags): each decode step uses the setting measured fastest at its batch size")
     parser.add_argument("--model-name", help="the `model` clients send (default: the target's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
-    add_attention_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
                         help="share of the GPU memory left after loading that the KV cache takes")
     parser.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size,
@@ -94,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.tree = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
+        args.tree_by_batch = read_autotune(args.autotune) if args.autotune else ()
     except ValueError as e:
         parser.error(str(e))
     if args.speculative == "on" and args.draft is None:
@@ -127,10 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     head = None
     if args.speculative == "on":
         head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
-    engine = Engine(target, head, EngineConfig(speculative=head is not None, tree=args.tree,
-                                               mem_fraction=args.mem_fraction, max_batch_size=args.max_batch_size,
-                                               attention=args.attention))
-    metrics = Metrics(max_accept=args.tree.num_draft_tokens)
+    config = EngineConfig(speculative=head is not None, tree=args.tree, tree_by_batch=args.tree_by_batch,
+                          mem_fraction=args.mem_fraction,
+                          max_batch_size=args.max_batch_size, attention=args.attention,
+                          cuda_graphs=not args.disable_cuda_graph)
+    engine = Engine(target, head, config)
+    metrics = Metrics(max_accept=max([1] + [t.num_draft_tokens for t in engine.trees]))
     name = args.model_name or model_name(args.target, path)
     app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name, metrics)
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")

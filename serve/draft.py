@@ -12,6 +12,7 @@ Shapes: B requests, k = topk, H = draft hidden, Vd = draft vocabulary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
 from .attention.paged import PagedAttention
+from .cuda_graphs import GraphCache
 from .kv_cache import KVPool
 from .tree import DraftTree, TreeBuilder
 
@@ -56,42 +58,67 @@ class DraftState:
 
 
 class Drafter:
-    def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, shape: TreeShape,
-                 attention: type[PagedAttention]):
-        self.head, self.target, self.pool, self.shape, self.attention = head, target, pool, shape, attention
+    """The head inside the engine. With `graphs` enabled, decode-step passes (`extend` with `capture`, and
+    `draft_tree`) replay CUDA graphs; their inputs are then padded to fixed shapes by the engine."""
+
+    def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, attention: type[PagedAttention],
+                 graphs: GraphCache):
+        self.head, self.target, self.pool, self.attention = head, target, pool, attention
+        self.graphs = graphs
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
 
-    def extend(
-        self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor
-    ) -> list[DraftState]:
+    def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor,
+               capture: bool = False) -> list[DraftState]:
         """Feeds the draft the target's states at positions start .. start+len-1 of each request.
 
         target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding, their KV
         lands in the request's reserved positions); next_tokens [B, T]: the token at position p + 1 for
-        each p; start, lengths [B]; table [B, M] the requests' blocks.
+        each p; start, lengths [B]; table [B, M] the requests' blocks. `capture`: run as a CUDA graph
+        (decode steps; a prefill's shapes vary too much).
         Returns each request's state at its last extended position.
         """
+        inputs = (target_out.hidden, next_tokens, start, lengths, table)
+        if target_out.aux is not None:
+            inputs += (target_out.aux,)
+        hidden, logp = self.graphs("extend", self._extend, *inputs) if capture else self._extend(*inputs)
+        hidden, logp = hidden.clone(), logp.clone()  # graph outputs are overwritten by the next replay
+        return [DraftState(hidden[b], logp[b]) for b in range(len(hidden))]
+
+    def _extend(self, target_hidden: Tensor, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor,
+                aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
         B, T = next_tokens.shape
         device = next_tokens.device
         positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
         attn = self.attention(self.pool, table, start, causal)
         embeds = self.target.embed_tokens(next_tokens)
-        out = self.head.step(embeds, self.head.project_target(target_out), positions, attn)  # [B, T, H]
+        features = self.head.project_target(TargetOutput(hidden=target_hidden, aux=aux))
+        out = self.head.step(embeds, features, positions, attn)  # [B, T, H]
         last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
         hidden = out.gather(1, last)[:, 0]  # [B, H]
-        logp = self.head.logits(hidden).float().log_softmax(-1)  # [B, Vd]
-        return [DraftState(hidden[b], logp[b]) for b in range(B)]
+        return hidden, self.head.logits(hidden).float().log_softmax(-1)  # [B, H], [B, Vd]
 
-    def draft_tree(self, roots: Tensor, states: list[DraftState], lengths: Tensor, table: Tensor) -> DraftTree:
-        """roots [B] target ids at positions `lengths` (n); table [B, M] blocks covering n + scratch.
-        Returns the tree to verify, tokens as target ids."""
-        k = self.shape.topk
+    def draft_tree(self, shape: TreeShape, roots: Tensor, states: list[DraftState], lengths: Tensor, table: Tensor
+                   ) -> DraftTree:
+        """roots [B] target ids at positions `lengths` (n); table [B, M] blocks covering n + scratch; `states`
+        may be fewer than B (the rest are padding rows). Returns the tree to verify, tokens as target ids."""
+        hidden = torch.stack([s.hidden for s in states])  # [B', H]
+        logp = torch.stack([s.logp for s in states])
+        if len(states) < len(roots):  # padding rows draft from zeros; their trees are ignored
+            pad = len(roots) - len(states)
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+            logp = torch.cat([logp, logp.new_zeros(pad, logp.shape[1])])
+        draft = functools.partial(self._draft_tree, shape)
+        return DraftTree(*self.graphs(f"draft {shape}", draft, roots, hidden, logp, lengths, table))
+
+    def _draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logp: Tensor, lengths: Tensor,
+                    table: Tensor):
+        k = shape.topk
         B = len(roots)
         builder = TreeBuilder(roots, k)
-        tokens = builder.first(torch.stack([s.logp for s in states]))  # [B, k] draft indices
-        hidden = torch.stack([s.hidden for s in states])[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
-        for depth in range(1, self.shape.num_steps):
+        tokens = builder.first(logp)  # [B, k] draft indices
+        hidden = hidden[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
+        for depth in range(1, shape.num_steps):
             # Drafted node j (in drafting order) keeps its KV at position n + j: the window is the nodes
             # drafted so far, the frontier (the last k) sees its drafted ancestors.
             attn = self.attention(self.pool, table, lengths, builder.frontier_mask())
@@ -101,7 +128,6 @@ class Drafter:
             tokens = builder.extend(self.head.logits(out).float().log_softmax(-1))
             rows = builder.frontier_parent_rows[:, :, None].expand(-1, -1, out.shape[-1])
             hidden = out.gather(1, rows)
-        tree = builder.finalize(self.shape.num_draft_tokens)
-        tree.tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
-        return tree
-
+        tree = builder.finalize(shape.num_draft_tokens)
+        tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
+        return tokens, tree.parents, tree.depth, tree.mask, tree.scores

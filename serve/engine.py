@@ -12,6 +12,13 @@ under a tree mask, accepts a path (`verify.py`), moves the accepted nodes' KV in
 draft with the accepted tokens' target states. Without a head (or with speculation off) the tree is the
 root alone, so the same code decodes one token a step: the baseline every comparison uses.
 
+Per batch size the step may draft a different tree, or none (`EngineConfig.tree_by_batch`, from
+`bench-eagle --autotune`): the draft is extended with the accepted tokens either way, so it is ready
+whenever the batch size calls for speculation again.
+
+On CUDA with the triton backend, the target pass, the tree drafting and the draft extension of a decode
+step replay CUDA graphs (`cuda_graphs.py`): batches are padded to a bucket, block tables to full width.
+
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
 preempts the newest request (its KV is freed and recomputed on readmission) instead of failing.
@@ -26,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from eyas.common.head_checkpoint import DraftHead
@@ -33,6 +41,8 @@ from eyas.common.target import TargetModel, TargetOutput
 
 from .attention import attention_backend
 from .attention.paged import slots_of
+from .autotune import TreeByBatch, setting_for
+from .cuda_graphs import GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape
 from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, make_generator
@@ -44,6 +54,8 @@ from .verify import verify_greedy, verify_sampling
 class EngineConfig:
     speculative: bool = True  # False: one token per step even when a head is loaded
     tree: TreeShape = field(default_factory=TreeShape)
+    # Per batch size, the tree (or None: no speculation) that measured fastest (`autotune.py`); empty: `tree`.
+    tree_by_batch: TreeByBatch = ()
     block_size: int = 16
     num_blocks: int | None = None  # None: `mem_fraction` of free GPU memory, or `cpu_kv_tokens` on CPU
     mem_fraction: float = 0.85
@@ -52,6 +64,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # chunk size of prefills
     profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
     attention: str = "auto"  # attention backend: auto, torch or triton (serve/attention)
+    cuda_graphs: bool = True  # replay decode-step passes as CUDA graphs (CUDA, with a graph-safe backend)
 
     def __post_init__(self):
         if not 0 < self.mem_fraction <= 1:
@@ -106,13 +119,15 @@ class Engine:
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         self.speculative = head is not None and self.config.speculative
-        self.tree = self.config.tree if self.speculative else None
+        self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if self.speculative else ()
+        self.trees = [shape for _, shape in self.tree_by_batch if shape is not None]
         # Positions a decode step may write beyond the cached ones: the tree (or the root), the draft's scratch.
-        self.reserve = 1 + (max(self.tree.num_draft_tokens, self.tree.scratch) if self.tree else 1)
+        self.reserve = 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in self.trees])
         bs = self.config.block_size
         num_blocks = self.config.num_blocks or self._auto_blocks(head, dtype)
         self.pool = KVPool(tcfg.num_hidden_layers, num_blocks, bs, tcfg.num_key_value_heads, tcfg.head_dim,
                            dtype, self.device)
+        self.graphs = GraphCache(self.device, self.config.cuda_graphs and self.attention.graph_safe)
         self.aux_layers: tuple[int, ...] = ()
         self.drafter = None
         if self.speculative:
@@ -120,10 +135,12 @@ class Engine:
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
             draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
-            self.drafter = Drafter(head, target, draft_pool, self.tree, self.attention)
+            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs)
             self.aux_layers = head.target_layers(tcfg)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
+        # Graphs need fixed shapes: every block table is as wide as the longest request can need.
+        self.table_width = -(-self.context_limit // bs) if self.graphs.enabled else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -238,8 +255,8 @@ class Engine:
 
     # ---- model passes ---------------------------------------------------------------------------
 
-    def _block_table(self, requests: list[Request]) -> Tensor:
-        return self.pool.block_table([r.blocks for r in requests], self.device)  # [B, M]
+    def _block_table(self, requests: list[Request], padding_rows: int = 0) -> Tensor:
+        return self.pool.block_table([r.blocks for r in requests], self.device, self.table_width, padding_rows)
 
     @torch.no_grad()
     def _prefill_chunk(self, request: Request) -> None:
@@ -257,7 +274,8 @@ class Engine:
         else:
             if not request.output:  # the first token comes from the prompt's last position
                 logits = self.target.logits(out.hidden[:, -1:]).float()
-                _, _, first = self._verify([request], root_only(tokens[end - 1 : end]), logits)
+                root = root_only(tokens[end - 1 : end])
+                _, _, first = self._verify([request], root.tokens, root.parents, logits)
                 self._emit(request, [int(first[0])])
                 if request.finished:
                     return
@@ -266,63 +284,78 @@ class Engine:
             length = torch.tensor([end - start], device=self.device)
             (request.draft,) = self.drafter.extend(out, next_tokens, prefix, length, table)
 
-    def _verify(self, requests: list[Request], tree: DraftTree, logits: Tensor):
-        valid = torch.ones_like(tree.tokens, dtype=torch.bool)
+    def _verify(self, requests: list[Request], tokens: Tensor, parents: Tensor, logits: Tensor):
+        valid = torch.ones_like(tokens, dtype=torch.bool)
         if all(r.params.greedy for r in requests):
-            return verify_greedy(tree.tokens, tree.parents, logits, valid)
-        return verify_sampling(tree.tokens, tree.parents, logits, valid, [r.params for r in requests],
+            return verify_greedy(tokens, parents, logits, valid)
+        return verify_sampling(tokens, parents, logits, valid, [r.params for r in requests],
                                [r.generator for r in requests])
 
     @torch.no_grad()
     def _decode(self, requests: list[Request]) -> None:
-        device = self.device
-        n = torch.tensor([r.cached for r in requests], device=device)  # [B]
-        roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
-        table = self._block_table(requests)
+        """One decode step for B requests, run on B' >= B rows: with CUDA graphs the batch is padded to its
+        bucket (padding rows have empty prefixes and write only the scratch block)."""
+        device, B = self.device, len(requests)
+        shape = setting_for(self.tree_by_batch, B) if self.speculative else None
+        pad = batch_bucket(B) - B if self.graphs.enabled else 0
+        n = torch.tensor([r.cached for r in requests] + [0] * pad, device=device)  # [B']
+        roots = torch.tensor([r.tokens[-1] for r in requests] + [0] * pad, device=device)
+        table = self._block_table(requests, pad)
         with self._phase("draft"):
-            if self.drafter is not None:
-                tree = self.drafter.draft_tree(roots, [r.draft for r in requests], n, table)
-            else:
+            if shape is not None:
+                tree = self.drafter.draft_tree(shape, roots, [r.draft for r in requests], n, table)
+            else:  # plain decoding (the draft still follows: `_accept` extends it)
                 tree = root_only(roots)
         with self._phase("verify"):
-            out, accepted, num_accepted, bonus = self._verify_tree(requests, tree, n, table)
+            out, logits = self._target_pass(tree, n, table)
+            accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B])
         with self._phase("accept"):
-            self._accept(requests, tree, n, table, out, accepted, num_accepted, bonus)
+            self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
 
-    def _verify_tree(self, requests: list[Request], tree: DraftTree, n: Tensor, table: Tensor):
-        """One target pass over every tree node -> (target output, accepted, num_accepted, bonus).
-        Node j's KV goes to position n + j; each node sees the prefix and its ancestors."""
-        attn = self.attention(self.pool, table, n, tree.mask)
-        out = self.target(tree.tokens, n[:, None] + tree.depth, attn, aux_layers=self.aux_layers)
-        logits = self.target.logits(out.hidden).float()  # [B, N, V]
-        return (out, *self._verify(requests, tree, logits))
+    def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor) -> tuple[TargetOutput, Tensor]:
+        """One target pass over every tree node -> (its output, logits [B', N, V] float). Node j's KV goes to
+        position n + j; each node sees the prefix and its ancestors."""
+        logits, hidden, *aux = self.graphs("target", self._target_forward, tree.tokens, n[:, None] + tree.depth,
+                                           table, n, tree.mask)
+        return TargetOutput(hidden=hidden, aux=aux[0] if aux else None), logits
+
+    def _target_forward(self, tokens: Tensor, positions: Tensor, table: Tensor, prefix: Tensor, mask: Tensor):
+        out = self.target(tokens, positions, self.attention(self.pool, table, prefix, mask), aux_layers=self.aux_layers)
+        return (self.target.logits(out.hidden).float(), out.hidden) + (() if out.aux is None else (out.aux,))
 
     def _accept(
-        self, requests: list[Request], tree: DraftTree, n: Tensor, table: Tensor, out: TargetOutput,
-        accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
+        self, requests: list[Request], shape: TreeShape | None, tree: DraftTree, n: Tensor, table: Tensor,
+        out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> None:
-        """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens."""
-        device, N, bs = self.device, tree.tokens.shape[1], self.pool.block_size
+        """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens.
+        accepted / num_accepted / bonus cover the B requests; the other tensors the B' padded rows."""
+        device, B, N, bs = self.device, len(requests), tree.tokens.shape[1], self.pool.block_size
         # Keep the accepted path's KV: node accepted[j] moves from position n + accepted[j] to n + j.
         path = accepted.clamp(min=0)  # [B, N]
         moves = (accepted > 0) & (accepted != torch.arange(N, device=device))
         if moves.any():
-            src = slots_of(table, n[:, None] + path, bs)[moves]
-            dst = slots_of(table, n[:, None] + torch.arange(N, device=device), bs)[moves]
+            src = slots_of(table[:B], n[:B, None] + path, bs)[moves]
+            dst = slots_of(table[:B], n[:B, None] + torch.arange(N, device=device), bs)[moves]
             for k, v in zip(self.pool.k, self.pool.v, strict=True):
                 k[dst], v[dst] = k[src], v[src]
 
         if self.drafter is not None:
             # The draft reads the target's states along the path and, at each node, the token after it.
-            T = int(num_accepted.max()) + 1
+            # Graphs take a fixed length: the deepest path any tree can accept.
+            depth = shape.num_steps if shape else 0
+            T = min(depth + 1, N) if self.graphs.enabled else int(num_accepted.max()) + 1
             nodes = path[:, :T]  # [B, T]
             lengths = num_accepted + 1
-            after = torch.cat([tree.tokens.gather(1, path[:, 1:T]), bonus[:, None]], dim=1)  # [B, T]
+            after = torch.cat([tree.tokens[:B].gather(1, path[:, 1:T]), bonus[:, None]], dim=1)  # [B, T]
             is_last = torch.arange(T, device=device)[None] == num_accepted[:, None]
             next_tokens = torch.where(is_last, bonus[:, None], after)
+            pad = len(n) - B  # padding rows: node 0, token 0, length 1
+            if pad:
+                nodes, next_tokens = (F.pad(x, (0, 0, 0, pad)) for x in (nodes, next_tokens))
+                lengths = F.pad(lengths, (0, pad), value=1)
             states = self.drafter.extend(
                 TargetOutput(hidden=_rows(out.hidden, nodes), aux=None if out.aux is None else _rows(out.aux, nodes)),
-                next_tokens, n, lengths, table,
+                next_tokens, n, lengths, table, capture=True,
             )
         accepted_host, counts, bonus_host = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
         tokens_host = tree.tokens.tolist()

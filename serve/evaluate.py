@@ -42,7 +42,7 @@ from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import Conversation
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
-from .attention import add_attention_argument
+from .attention import add_engine_arguments
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
-    add_attention_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--mem-fraction", type=float, default=0.85,
                         help="share of free GPU memory each engine's KV cache takes (lower it to share a GPU)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
         settings["tree"] = asdict(shape)
         config = EngineConfig(tree=shape, max_batch_size=args.concurrency, mem_fraction=args.mem_fraction,
-                              attention=args.attention)
+                              attention=args.attention, cuda_graphs=not args.disable_cuda_graph)
         answer_on = engine_answerer(Engine(target, head, config), tokenizer, params, args.max_new_tokens)
         answer_off = None if args.no_baseline else engine_answerer(
             Engine(target, None, replace(config, speculative=False)), tokenizer, params, args.max_new_tokens)

@@ -31,7 +31,10 @@ class BlockAllocator:
 
 
 class KVPool:
-    """Per-layer key and value storage, [num_slots, Hkv, D] each, with its block allocator."""
+    """Per-layer key and value storage, [num_slots, Hkv, D] each, with its block allocator.
+
+    One block beyond the allocator's, `scratch_block`, belongs to no request: the padding rows of a
+    CUDA-graph batch bucket write their (ignored) k/v there."""
 
     def __init__(
         self,
@@ -44,13 +47,18 @@ class KVPool:
         device: torch.device | str,
     ):
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)
 
-    def block_table(self, rows: list[list[int]], device: torch.device | str | None = None) -> Tensor:
-        """Each row's blocks (in position order) -> [B, M] int32, padded with block 0 (never read: past the
-        row's lengths)."""
-        width = max(map(len, rows))
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+    def block_table(self, rows: list[list[int]], device: torch.device | str | None = None, width: int | None = None,
+                    padding_rows: int = 0) -> Tensor:
+        """Each row's blocks (in position order) -> [B + padding_rows, width] int32 (width: the longest row's
+        by default). Entries past a row's blocks are never read (past its lengths); padding rows are all
+        `scratch_block`."""
+        width = width or max(map(len, rows))
+        scratch = self.scratch_block
+        rows = [r + [scratch] * (width - len(r)) for r in rows] + [[scratch] * width] * padding_rows
+        return torch.tensor(rows, dtype=torch.int32, device=device)

@@ -28,7 +28,7 @@ from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import Conversation, read_conversations
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
-from .attention import add_attention_argument
+from .attention import add_engine_arguments
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="end a conversation before a turn whose prompt is longer (e.g. training's max_length)")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                         help="take conversations I, I+N, I+2N, ... (e.g. 0/2 and 1/2 on two GPUs)")
-    add_attention_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     params = SamplingParams(temperature=args.temperature)
@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         path = resolve_target(args.target)
         dtype = default_dtype(args.device)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-        engine = Engine(target, None, EngineConfig(speculative=False, max_batch_size=args.batch_size,
-                                                       attention=args.attention))
+        config = EngineConfig(speculative=False, max_batch_size=args.batch_size, attention=args.attention,
+                              cuda_graphs=not args.disable_cuda_graph)
+        engine = Engine(target, None, config)
         reply = engine_replier(engine, load_tokenizer(path), params, args.max_new_tokens, args.max_prompt_tokens)
     n = regenerate_file(args.data, args.output, reply, args.batch_size, args.limit, args.shard)
     print(f"wrote {n} conversations to {args.output}")

@@ -126,11 +126,10 @@ class TreeBuilder:
         new_index = torch.full((B, C), -1, dtype=torch.long, device=tokens.device)
         new_index.scatter_(1, keep, torch.arange(n, device=tokens.device).expand(B, n))
         kept_parents = parents.gather(1, keep)
+        # Closed under parents (see the module docstring), so every kept parent has a new index.
         tree_parents = torch.where(kept_parents < 0, kept_parents, new_index.gather(1, kept_parents.clamp(min=0)))
-        if (tree_parents[:, 1:] < 0).any():
-            raise AssertionError("a kept candidate's parent was dropped")
         tree_depth = depths.gather(1, keep)
-        mask = ancestor_mask(tree_parents, int(tree_depth.max()))
+        mask = ancestor_mask(tree_parents, self.depth)  # no node is deeper than the passes run (no host sync)
         return DraftTree(
             tokens=tokens.gather(1, keep),
             parents=tree_parents,

@@ -29,7 +29,11 @@ from ..kv_cache import KVPool
 class PagedAttention(AttentionMetadata):
     """Base of the backends: holds the view, writes the new tokens' k/v; subclasses implement `attend`."""
 
+    graph_safe = False  # whether a forward through it can be captured in a CUDA graph (no host syncs)
+
     def __init__(self, pool: KVPool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
+        # int32 like the block table: kernels index with them (and mixing int widths breaks Triton's typing).
+        prefix_lens = prefix_lens.to(torch.int32)
         self.pool, self.block_table, self.prefix_lens, self.window_mask = pool, block_table, prefix_lens, window_mask
         B, T, W = window_mask.shape
         positions = prefix_lens[:, None].long() + (W - T) + torch.arange(T, device=window_mask.device)  # [B, T]

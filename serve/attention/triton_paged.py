@@ -46,6 +46,8 @@ class TritonPagedAttention(PagedAttention):
     `num_splits` forces the split-KV factor (tests); None chooses it from static shapes (`launch_config`).
     """
 
+    graph_safe = True
+
     def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor,
                  num_splits: int | None = None):
         super().__init__(pool, block_table, prefix_lens, window_mask)

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from eyas.data.conversations import ConversationError
 from eyas.data.dataset import DataConfig, build_dataset, collate
 from eyas.data.loss_mask import TemplateMismatch, render_with_spans, tokenize_conversation
 from eyas.data.tokenizer import end_of_turn_id
@@ -100,3 +101,12 @@ def test_dataset_cache_and_collate(smollm2_tokenizer, tmp_path):
     assert (batch["input_ids"][1, n1:] == 7).all()
     assert batch["attention_mask"].sum(1).tolist() == [n0, n1]
     assert batch["loss_mask"][1, n1:].sum() == 0 and batch["loss_mask"][1, :n1].tolist() == ds[1]["loss_mask"]
+
+
+def test_a_file_with_no_usable_conversation_names_the_cause(smollm2_tokenizer, tmp_path):
+    """A messages file read with `format: sharegpt` forced yields nothing: the error says so, and why."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    config = DataConfig(format="sharegpt", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConversationError, match=r"no usable conversation \(format 'sharegpt' forced.*line 1"):
+        build_dataset(path, smollm2_tokenizer, config)

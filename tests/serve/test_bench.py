@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
+from eyas.serve.autotune import read_autotune, setting_for
 from eyas.serve.bench import main
+from eyas.serve.draft import TreeShape
 
 
 def test_bench_tiny_random(tmp_path, capsys):
@@ -20,3 +24,21 @@ def test_bench_tiny_random(tmp_path, capsys):
             assert r["speedup"] == 1.0 and r["draft_ms"] < r["verify_ms"]
     best = json.loads((tmp_path / "autotune.json").read_text())["best_setting_by_batch_size"]
     assert set(best) == {"1", "2"} and all(v in ("off", "3,1,4", "2,2,4") for v in best.values())
+    # serve-eagle's reader: the same settings, in batch-size order, each batch size mapped to its bucket.
+    table = read_autotune(tmp_path / "autotune.json")
+    assert [b for b, _ in table] == [1, 2] and setting_for(table, 5) == table[-1][1]
+
+
+def test_autotune_file_errors_name_the_entry(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"best_setting_by_batch_size": {"4": "off", "1": "7,1,8", "16": "5,4,8"}}))
+    table = read_autotune(path)
+    assert table == ((1, TreeShape(7, 1, 8)), (4, None), (16, TreeShape(5, 4, 8)))
+    assert [setting_for(table, b) for b in (1, 2, 4, 5, 64)] == [
+        TreeShape(7, 1, 8), None, None, TreeShape(5, 4, 8), TreeShape(5, 4, 8)]
+    path.write_text(json.dumps({"best_setting_by_batch_size": {"8": "7,1"}}))
+    with pytest.raises(ValueError, match=r"a.json: entry '8': expected 'off' or"):
+        read_autotune(path)
+    path.write_text(json.dumps({"settings": {}}))
+    with pytest.raises(ValueError, match="not an autotune file"):
+        read_autotune(path)

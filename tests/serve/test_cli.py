@@ -23,3 +23,14 @@ def test_unknown_recipe_key_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--recipe", str(bad)])
     assert "unknown key 'num_stepz'" in capsys.readouterr().err
+
+
+def test_autotune_file_is_read_and_checked(tmp_path, capsys):
+    path = tmp_path / "autotune.json"
+    path.write_text('{"best_setting_by_batch_size": {"1": "7,1,8", "32": "off"}}')
+    args = parse_args(["--recipe", "smollm2-135m", "--autotune", str(path)])
+    assert [(b, s and s.num_steps) for b, s in args.tree_by_batch] == [(1, 7), (32, None)]
+    path.write_text('{"best_setting_by_batch_size": {"one": "off"}}')
+    with pytest.raises(SystemExit):
+        parse_args(["--recipe", "smollm2-135m", "--autotune", str(path)])
+    assert "entry 'one'" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import torch
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
+from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.generate import greedy_tokens
 from eyas.serve.sampling import SamplingParams
@@ -45,17 +46,56 @@ def test_speculative_greedy_equals_target_greedy(target, shape, batch):
     assert engine.pool.allocator.num_free == 256
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_settings_by_batch_size(target, graphs, monkeypatch):
+    """Autotuned settings: as requests finish the batch shrinks 3 -> 2 -> 1 and each step drafts the tree of
+    its batch size, or none (the draft still follows the accepted tokens); the output stays the target's."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
+    ps = prompts(3, target.config.vocab_size, seed=5)
+    lengths = [8, 16, 28]
+    table = ((1, SHAPES["chain"]), (2, None), (3, SHAPES["tree"]))
+    engine = Engine(target, random_head(target), EngineConfig(tree_by_batch=table, block_size=4, num_blocks=128))
+    drafted = []  # (tree, batch) of every drafting step
+    draft_tree = engine.drafter.draft_tree
+    monkeypatch.setattr(engine.drafter, "draft_tree", lambda shape, roots, states, *rest: (
+        drafted.append((shape, len(states))), draft_tree(shape, roots, states, *rest))[1])
+    requests = [engine.add_request(p, GREEDY, n) for p, n in zip(ps, lengths, strict=True)]
+    while engine.has_work():
+        engine.step()
+    assert [r.output for r in requests] == [list(greedy_tokens(target, p, n)) for p, n in zip(ps, lengths, strict=True)]
+    assert set(drafted) == {(SHAPES["tree"], 3), (SHAPES["chain"], 1)}
+    assert engine.decode_steps > len(drafted)  # the steps at batch size 2 drafted nothing
+    assert engine.reserve == 1 + SHAPES["tree"].num_draft_tokens
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_triton_engine_equals_target_greedy(hf_checkpoint, target, shape):
-    """The triton backend on CUDA (fp32) gives the same greedy tokens as the reference on CPU, speculative
-    (draft passes, tree verification, KV moves) and plain, over a batch with ragged prompts."""
+def test_fixed_shapes_of_cuda_graphs_change_nothing(target, shape, monkeypatch):
+    """What CUDA graphs need, run eagerly on CPU: batches padded to their bucket (3 -> 4 rows, the padding
+    row writing the scratch block), full-width block tables, draft extensions of fixed length."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)
+    ps = prompts(3, target.config.vocab_size, seed=4)
+    reference = [list(greedy_tokens(target, p, 20)) for p in ps]
+    for head in (random_head(target), None):
+        engine = Engine(target, head, EngineConfig(tree=SHAPES[shape], block_size=4, num_blocks=96))
+        assert engine.graphs.enabled and not engine.graphs.capture
+        assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=20)] == reference
+        assert engine.pool.allocator.num_free == 96
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_triton_engine_equals_target_greedy(hf_checkpoint, target, shape, graphs):
+    """The triton backend on CUDA (fp32), with CUDA graphs and without, gives the same greedy tokens as the
+    reference on CPU, speculative (draft passes, tree verification, KV moves) and plain, over a batch of
+    ragged prompts (6 rows: a bucket of 8 with graphs)."""
     ps = prompts(6, target.config.vocab_size, seed=3)
     reference = [list(greedy_tokens(target, p, 24)) for p in ps]
     cuda_target = TargetModel.from_pretrained(hf_checkpoint("llama")[0], device="cuda")
     for head in (random_head(target).cuda(), None):
         engine = Engine(cuda_target, head, EngineConfig(tree=SHAPES[shape], block_size=16, num_blocks=64,
-                                                        attention="triton"))
+                                                        attention="triton", cuda_graphs=graphs))
+        assert engine.graphs.capture == graphs
         assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=24)] == reference
 
 

@@ -1,0 +1,66 @@
+"""CUDA graphs for the engine's per-step passes: each pass is captured once per input shape and replayed.
+
+A decode step launches hundreds of small kernels (every layer's projections, norms, rotary, attention);
+from Python that costs more host time than the GPU needs to run them. Captured in a graph, one replay
+launches them all. The engine keeps shapes few and fixed: batch sizes are padded up to `BATCH_BUCKETS`,
+block tables to the context's block count, draft extensions to the tree depth.
+
+    graphs = GraphCache(device, enabled=True)
+    out = graphs("verify", forward_fn, tokens, positions, table, prefix, mask)   # same as forward_fn(...)
+
+The function must be a pure function of its tensor arguments (no host synchronisation, no Python
+branches on tensor values) and return a tuple of tensors. The returned tensors are the graph's static
+outputs: the next replay of the same graph overwrites them, so callers copy what they keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def batch_bucket(batch: int) -> int:
+    """The smallest bucket that holds `batch` rows (batches past the last bucket run as they are)."""
+    return next((b for b in BATCH_BUCKETS if b >= batch), batch)
+
+
+class GraphCache:
+    """`enabled`: the engine keeps fixed shapes (buckets, full-width tables) and, on CUDA, captures; elsewhere
+    the passes run eagerly on the same fixed shapes (how CPU tests cover the padding)."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self.capture = enabled and device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], tuple[Tensor, ...]]] = {}
+
+    def __call__(self, name: str, fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
+        if not self.capture:
+            return fn(*inputs)
+        key = (name,) + tuple((x.shape, x.dtype) for x in inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(fn, inputs)
+        graph, static_inputs, outputs = entry
+        for buffer, x in zip(static_inputs, inputs, strict=True):
+            buffer.copy_(x, non_blocking=True)
+        graph.replay()
+        return outputs
+
+    def _capture(self, fn, inputs):
+        static_inputs = [x.clone() for x in inputs]
+        # Warm up on a side stream (Triton compiles, the allocator settles), as graph capture requires.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(*static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*static_inputs)
+        return graph, static_inputs, outputs
