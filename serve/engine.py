@@ -6,11 +6,12 @@
         engine.step()
     request.output   # token ids
 
-Each `step` either prefills one chunk of one admitted request or runs one decode step for every running
-request. A decode step drafts a tree per request (`draft.py`), verifies all its nodes in one target pass
-under a tree mask, accepts a path (`verify.py`), moves the accepted nodes' KV into place, and extends the
-draft with the accepted tokens' target states. Without a head (or with speculation off) the tree is the
-root alone, so the same code decodes one token a step: the baseline every comparison uses.
+Each `step` either prefills one chunk of each of as many admitted requests as fit `max_prefill_tokens`, or
+runs one decode step for every running request. A decode step drafts a tree per request (`draft.py`),
+verifies all its nodes in one target pass under a tree mask, accepts a path (`verify.py`), moves the
+accepted nodes' KV into place, and extends the draft with the accepted tokens' target states. Without a head
+(or with speculation off) the tree is the root alone, so the same code decodes one token a step: the
+baseline every comparison uses.
 
 Per batch size the step may draft a different tree, or none (`EngineConfig.tree_by_batch`, from
 `bench-eagle --autotune`): the draft is extended with the accepted tokens either way, so it is ready
@@ -204,13 +205,27 @@ class Engine:
 
     def step(self) -> None:
         self._admit()
-        pending = next((r for r in self.running if r.cached < r.prefill_target), None)
-        if pending is not None:
+        pending = self._prefill_batch()
+        if pending:
             with self._phase("prefill"):
-                self._prefill_chunk(pending)
+                self._prefill(pending)
         elif self.running:
             self.decode_steps += 1
             self._decode(self._ensure_blocks())
+
+    def _prefill_batch(self) -> list[Request]:
+        """The requests whose prompts this step prefills: one chunk each, as many as fit `max_prefill_tokens`
+        once padded to the longest chunk (the first one always)."""
+        batch, longest = [], 0
+        for r in self.running:
+            n = min(r.prefill_target - r.cached, self.config.max_prefill_tokens)
+            if n <= 0:
+                continue
+            if batch and (len(batch) + 1) * max(longest, n) > self.config.max_prefill_tokens:
+                break
+            batch.append(r)
+            longest = max(longest, n)
+        return batch
 
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self.pool.block_size)
@@ -259,30 +274,44 @@ class Engine:
         return self.pool.block_table([r.blocks for r in requests], self.device, self.table_width, padding_rows)
 
     @torch.no_grad()
-    def _prefill_chunk(self, request: Request) -> None:
-        start = request.cached
-        end = min(request.prefill_target, start + self.config.max_prefill_tokens)
-        tokens = torch.tensor(request.tokens[: end + 1], device=self.device)
-        table = self._block_table([request])
-        positions = torch.arange(start, end, device=self.device)[None]
-        prefix = torch.tensor([start], device=self.device)
-        attn = self.attention(self.pool, table, prefix, _causal(1, end - start, self.device))
-        out = self.target(tokens[None, start:end], positions, attn, aux_layers=self.aux_layers)
-        request.cached = end
-        if end < request.prefill_target:
-            next_tokens = tokens[None, start + 1 : end + 1]
-        else:
-            if not request.output:  # the first token comes from the prompt's last position
-                logits = self.target.logits(out.hidden[:, -1:]).float()
-                root = root_only(tokens[end - 1 : end])
-                _, _, first = self._verify([request], root.tokens, root.parents, logits)
-                self._emit(request, [int(first[0])])
-                if request.finished:
-                    return
-            next_tokens = torch.tensor(request.tokens[start + 1 : end + 1], device=self.device)[None]
+    def _prefill(self, requests: list[Request]) -> None:
+        """One chunk of each request's prompt in one target pass: rows padded to the longest chunk (the padding
+        queries' k/v land past each row's cached positions, or in the scratch block, and are rewritten later)."""
+        device, bs = self.device, self.pool.block_size
+        starts = [r.cached for r in requests]
+        chunk = self.config.max_prefill_tokens
+        ends = [min(r.prefill_target, s + chunk) for r, s in zip(requests, starts, strict=True)]
+        lengths = [e - s for s, e in zip(starts, ends, strict=True)]
+        B, T = len(requests), max(lengths)
+        tokens = torch.tensor([r.tokens[s:e] + [0] * (T - n) for r, s, e, n in zip(requests, starts, ends, lengths,
+                                                                                   strict=True)], device=device)
+        prefix = torch.tensor(starts, device=device)
+        # Wide enough for every padded position (past a row's blocks: the scratch block).
+        width = max(self.table_width or 0, -(-(max(starts) + T) // bs))
+        table = self.pool.block_table([r.blocks for r in requests], device, width)
+        out = self.target(tokens, prefix[:, None] + torch.arange(T, device=device),
+                          self.attention(self.pool, table, prefix, _causal(B, T, device)), aux_layers=self.aux_layers)
+        for r, e in zip(requests, ends, strict=True):
+            r.cached = e
+        # The first token of a fresh request comes from its prompt's last position.
+        first = [i for i, r in enumerate(requests) if ends[i] == r.prefill_target and not r.output]
+        if first:
+            rows = torch.tensor(first, device=device)
+            last = torch.tensor([lengths[i] - 1 for i in first], device=device)
+            logits = self.target.logits(out.hidden[rows, last][:, None]).float()  # [F, 1, V]
+            root = root_only(tokens[rows, last])
+            _, _, sampled = self._verify([requests[i] for i in first], root.tokens, root.parents, logits)
+            for i, token in zip(first, sampled.tolist(), strict=True):
+                self._emit(requests[i], [token])
         if self.drafter is not None:
-            length = torch.tensor([end - start], device=self.device)
-            (request.draft,) = self.drafter.extend(out, next_tokens, prefix, length, table)
+            # The draft reads each position's target state and the token after it (for a finished prompt,
+            # the first generated token).
+            after = [r.tokens[s + 1 : e + 1] for r, s, e in zip(requests, starts, ends, strict=True)]
+            next_tokens = torch.tensor([a + [0] * (T - len(a)) for a in after], device=device)
+            states = self.drafter.extend(out, next_tokens, prefix, torch.tensor(lengths, device=device), table)
+            for r, state in zip(requests, states, strict=True):
+                if not r.finished:
+                    r.draft = state
 
     def _verify(self, requests: list[Request], tokens: Tensor, parents: Tensor, logits: Tensor):
         valid = torch.ones_like(tokens, dtype=torch.bool)
@@ -298,8 +327,8 @@ class Engine:
         device, B = self.device, len(requests)
         shape = setting_for(self.tree_by_batch, B) if self.speculative else None
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
-        n = torch.tensor([r.cached for r in requests] + [0] * pad, device=device)  # [B']
-        roots = torch.tensor([r.tokens[-1] for r in requests] + [0] * pad, device=device)
+        n, roots = torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
+                                 [r.tokens[-1] for r in requests] + [0] * pad]).to(device)
         table = self._block_table(requests, pad)
         with self._phase("draft"):
             if shape is not None:
@@ -333,7 +362,7 @@ class Engine:
         # Keep the accepted path's KV: node accepted[j] moves from position n + accepted[j] to n + j.
         path = accepted.clamp(min=0)  # [B, N]
         moves = (accepted > 0) & (accepted != torch.arange(N, device=device))
-        if moves.any():
+        if N > 1 and moves.any():
             src = slots_of(table[:B], n[:B, None] + path, bs)[moves]
             dst = slots_of(table[:B], n[:B, None] + torch.arange(N, device=device), bs)[moves]
             for k, v in zip(self.pool.k, self.pool.v, strict=True):
@@ -357,15 +386,15 @@ class Engine:
                 TargetOutput(hidden=_rows(out.hidden, nodes), aux=None if out.aux is None else _rows(out.aux, nodes)),
                 next_tokens, n, lengths, table, capture=True,
             )
-        accepted_host, counts, bonus_host = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
-        tokens_host = tree.tokens.tolist()
+        # One copy to the host: per request [num_accepted, bonus, accepted path (N), tree tokens (N)].
+        host = torch.cat([num_accepted[:, None], bonus[:, None], accepted, tree.tokens[:B]], dim=1).tolist()
         for b, request in enumerate(requests):
-            m = counts[b]
+            m, bonus_token, path_host, tokens_host = host[b][0], host[b][1], host[b][2 : 2 + N], host[b][2 + N :]
             request.cached += m + 1
             if self.drafter is not None:
                 request.draft = states[b]
                 request.accepted.append(m)
-            self._emit(request, [tokens_host[b][j] for j in accepted_host[b][1 : m + 1]] + [bonus_host[b]])
+            self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""

@@ -4,6 +4,8 @@ them out. A sequence's keys live in the slots of its blocks (slot = block * bloc
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -55,10 +57,13 @@ class KVPool:
 
     def block_table(self, rows: list[list[int]], device: torch.device | str | None = None, width: int | None = None,
                     padding_rows: int = 0) -> Tensor:
-        """Each row's blocks (in position order) -> [B + padding_rows, width] int32 (width: the longest row's
-        by default). Entries past a row's blocks are never read (past its lengths); padding rows are all
-        `scratch_block`."""
-        width = width or max(map(len, rows))
-        scratch = self.scratch_block
-        rows = [r + [scratch] * (width - len(r)) for r in rows] + [[scratch] * width] * padding_rows
-        return torch.tensor(rows, dtype=torch.int32, device=device)
+        """Each row's blocks (in position order) -> [B + padding_rows, W] int32, W the longest row's block count
+        or `width` if that is more. Entries past a row's blocks are `scratch_block` (never read: past its
+        lengths); so are padding rows."""
+        width = max(width or 0, max(map(len, rows)))
+        table = torch.full((len(rows) + padding_rows, width), self.scratch_block, dtype=torch.int32)
+        # Built on the host from the rows' own blocks (a padded Python list of the full width costs ~1 ms at 8B's
+        # 8192-block tables), then sent in one copy. A boolean mask fills in row-major order: row by row.
+        filled = torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]  # [B, width]
+        table[: len(rows)][filled] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
+        return table.to(device)

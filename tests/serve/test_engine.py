@@ -117,6 +117,24 @@ def test_stop_ids_and_chunked_prefill(target):
     assert request.output == free[: free.index(stop) + 1] and request.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_prompts_prefill_together(target, chunk, monkeypatch):
+    """Waiting prompts of different lengths are prefilled in one pass (padded to the longest chunk) as far as
+    `max_prefill_tokens` allows, chunked where it does not; outputs are the target's own."""
+    ps = prompts(5, target.config.vocab_size, seed=6)
+    reference = [list(greedy_tokens(target, p, 12)) for p in ps]
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=256,
+                                                              max_prefill_tokens=chunk))
+    passes = []
+    prefill = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda requests: (passes.append(len(requests)), prefill(requests)))
+    assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=12)] == reference
+    if chunk == 2048:
+        assert passes == [5]
+    else:  # 16-token chunks: longer prompts take several passes, short ones share them
+        assert len(passes) >= max(-(-len(p) // chunk) for p in ps) and max(passes) <= chunk
+
+
 def test_preemption_when_blocks_run_out(target):
     """A pool too small for all requests at once: they are preempted and recomputed, outputs unchanged."""
     ps = prompts(6, target.config.vocab_size, seed=3)
