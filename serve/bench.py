@@ -14,6 +14,7 @@ at random); step costs are what such a run measures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -23,11 +24,13 @@ from pathlib import Path
 import torch
 
 from eyas.common.architectures import ARCHITECTURES, random_target
-from eyas.common.assets import resolve_target
+from eyas.common.assets import asset_path, resolve_target
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel, default_dtype
+from eyas.data.conversations import read_conversations
+from eyas.data.tokenizer import load_tokenizer, render_chat
 
 from .attention import add_engine_arguments
 from .autotune import format_setting, parse_setting, write_autotune
@@ -59,6 +62,22 @@ def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
     head.set_hot_vocab(HotVocab(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
     head.rotary.reset_parameters(device)
     return head.eval()
+
+
+PROMPT_SETS = ("sharegpt", "mt-bench")
+
+
+def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
+    """The first `n` first user turns of a packaged set that render to at most `max_len` tokens."""
+    if name == "mt-bench":
+        turns = (json.loads(line)["turns"][0] for line in asset_path(name).read_text().splitlines() if line)
+    else:
+        turns = (c[0]["content"] for c in read_conversations(asset_path(name)) if c[0]["role"] == "user")
+    rendered = (render_chat(tokenizer, [{"role": "user", "content": t}]) for t in turns)
+    prompts = list(itertools.islice((ids for ids in rendered if len(ids) <= max_len), n))
+    if not prompts:
+        raise ValueError(f"no {name} prompt fits --input-len {max_len}")
+    return (prompts * n)[:n]
 
 
 def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **engine) -> Result:
@@ -145,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", help="a draft head directory (default with --random-weights: a random head)")
     parser.add_argument("--random-weights", action="store_true", help="random target and head of --arch")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
-    parser.add_argument("--prompts", help="JSONL of {'prompt_ids': [...]} (default: random tokens of --input-len)")
+    parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
+                        "template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: random "
+                        "tokens of --input-len)")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
@@ -169,7 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         target = TargetModel.from_pretrained(resolve_target(args.target), dtype=dtype, device=args.device)
         head = load_draft_head(args.draft, target, dtype=dtype, device=args.device)
     n = max(args.batch_sizes)
-    if args.prompts:
+    if args.prompts in PROMPT_SETS:
+        if args.random_weights:
+            parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
+        prompts = chat_prompts(args.prompts, load_tokenizer(resolve_target(args.target)), n, args.input_len)
+    elif args.prompts:
         prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line]
         prompts = (prompts * n)[:n]
     else:

@@ -42,3 +42,15 @@ def test_autotune_file_errors_name_the_entry(tmp_path):
     path.write_text(json.dumps({"settings": {}}))
     with pytest.raises(ValueError, match="not an autotune file"):
         read_autotune(path)
+
+
+@pytest.mark.parametrize("name", ["sharegpt", "mt-bench"])
+def test_chat_prompts_from_packaged_sets(name, smollm2_tokenizer):
+    from eyas.serve.bench import chat_prompts
+
+    prompts = chat_prompts(name, smollm2_tokenizer, 6, 128)
+    assert len(prompts) == 6 and all(len(p) <= 128 for p in prompts)
+    text = smollm2_tokenizer.decode(prompts[0])
+    assert text.count("<|im_start|>user") == 1 and text.rstrip().endswith("<|im_start|>assistant")
+    with pytest.raises(ValueError, match="fits --input-len 3"):
+        chat_prompts(name, smollm2_tokenizer, 1, 3)
