@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import fused
 from .attention import AttentionMetadata
 from .config import RopeConfig
 
@@ -22,7 +23,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x [..., dim] -> norm(x). With `residual` (fused add + norm): -> (norm(x + residual), x + residual)."""
+        if fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: Tensor) -> Tensor:
         # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -107,7 +117,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if fused.enabled(q):
+            q, k = fused.rotary(q, k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn.attend(layer, q, k, v)  # [B, T, Hq, D]
         return self.o_proj(out.reshape(B, T, -1))
 
@@ -120,4 +133,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused.silu_mul(gate, up) if fused.enabled(x) else F.silu(gate) * up)

@@ -44,8 +44,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The attention's residual add runs inside the second norm (one fused kernel on the inference path).
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn, layer), x)
+        return x + self.mlp(h)
 
 
 class DecoderStack(nn.Module):

@@ -3,7 +3,7 @@
 One body (`check`), two places: on CUDA with the engine's real shapes (`gpu` marker), and on CPU under
 Triton's interpreter with small ones. The interpreter is chosen when the kernels are defined (module import,
 TRITON_INTERPRET=1), and another test module may already have imported the backend in this process, so the
-CPU cases run in one fresh spawned process with the flag set.
+CPU cases run in one fresh spawned process with the flag set (tests/triton_interpreter.py).
 
 Tolerance, against the reference computed in fp32 from the same inputs: |err| <= tol + tol |ref| with tol 1e-2
 for bf16 (the kernel rounds the softmax weights to bf16 for the PV product and the output once: a few bf16 ulps,
@@ -12,8 +12,6 @@ for bf16 (the kernel rounds the softmax weights to bf16 for the PV product and t
 """
 
 import copy
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 import pytest
@@ -22,6 +20,7 @@ import torch
 from eyas.serve.attention.paged import slots_of
 from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.kv_cache import KVPool
+from tests import triton_interpreter
 
 pytest.importorskip("triton", reason="triton is not installed (the Triton backend is optional)")
 from eyas.serve.attention import triton_paged  # noqa: E402
@@ -185,31 +184,10 @@ CPU_CASES = [
 ]
 
 
-def _patch_interpreter_scalars():
-    """Worker initializer. With numpy >= 2.4 the interpreter of triton <= 3.6 cannot use a loaded value as a loop
-    bound (int() of a 1-element array raises; triton-lang/triton#9171): apply the upstream fix (squeeze)."""
-    from triton.runtime import interpreter
-
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None:  # a triton whose interpreter was reorganised (and fixed) since
-        return
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
 @pytest.fixture(scope="module")
 def interpreter():
-    """One fresh worker process, spawned with TRITON_INTERPRET=1, that runs `check` on CPU tensors."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "1")
-        executor = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), _patch_interpreter_scalars)
-        executor.submit(int).result()  # starts the worker while the flag is set
-    with executor:
-        yield lambda fn, *args: executor.submit(fn, *args).result(timeout=300)
+    with triton_interpreter.worker() as run:
+        yield run
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=_id)

@@ -1,0 +1,183 @@
+"""Fused Triton kernels for inference: RMSNorm (optionally after the residual add), rotary on q and k, SiLU·mul.
+
+Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
+rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
+reproduces the torch reference in `layers.py` rounding for rounding: arithmetic runs in fp32 (as torch's CUDA
+kernels compute half types in fp32), and every intermediate the reference materialises in a half dtype is
+rounded to that dtype here too. Results equal the reference up to fp32 reduction order and the fast rsqrt/exp.
+
+`layers.py` calls them where `enabled(x)`: no autograd (they have no backward, so the trainer's heads keep the
+torch path; the frozen target runs under no_grad), triton importable, a tensor on the current CUDA device (or on
+the CPU under Triton's interpreter, TRITON_INTERPRET=1, as tests run it), and an fp32, fp16 or bf16 dtype.
+Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs and CI: enabled() is False, the kernels below stay plain functions
+    triton = tl = None
+    jit = lambda fn: fn
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are defined, as Triton does
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_disabled = False
+
+
+def enabled(x: Tensor) -> bool:
+    """Whether the layers take the fused path for activations like `x`."""
+    if _disabled or triton is None or x.dtype not in _DTYPES or torch.is_grad_enabled():
+        return False
+    # Triton launches on the current CUDA device, whatever the tensors' device; CPU tensors only interpreted.
+    return x.device.index == torch.cuda.current_device() if x.is_cuda else _INTERPRET
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside, every layer takes the torch reference path (tests compare the two)."""
+    global _disabled
+    saved, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = saved
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x [..., N] -> [rows, N] with unit stride along N (a view where possible)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] -> [..., N].
+
+    With `residual` (same shape): s = x + residual, rounded to their dtype -> (norm(s), s), as the reference's
+    `x = x + residual` followed by the norm. Outputs are new contiguous tensors; the norm's dtype is the
+    reference's (weight's and input's promoted).
+    """
+    n = x.shape[-1]
+    rows = _rows(x)
+    if residual is None:
+        res, summed = rows, None  # placeholders: without a residual the kernel neither reads res nor writes a sum
+        in_dtype = x.dtype
+    else:
+        assert residual.shape == x.shape
+        res = _rows(residual)
+        in_dtype = torch.promote_types(x.dtype, residual.dtype)
+        summed = torch.empty(x.shape, dtype=in_dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, in_dtype), device=x.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, res, weight.contiguous(), out, out if summed is None else summed, rows.stride(0), res.stride(0), n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+    )
+    return out if summed is None else (out, summed)
+
+
+@jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * N + cols, x, mask=ok)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
+    normed = (x32 * rstd).to(x.dtype)  # the reference casts back to the input dtype before the weight
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """apply_rotary on q [B, T, Hq, D] and k [B, T, Hkv, D] in one launch; cos, sin [B or 1, T, D].
+
+    One program per token rotates all its q and k heads. -> new contiguous (q, k) in the reference's dtypes.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    assert k.shape == (B, T, Hkv, D) and D % 2 == 0 and cos.dtype == sin.dtype
+    q, k = (x if x.stride(3) == 1 else x.contiguous() for x in (q, k))
+    cos, sin = (x.expand(B, T, D) for x in (cos, sin))
+    cos, sin = (x if x.stride(2) == 1 else x.contiguous() for x in (cos, sin))
+    q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
+    k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, cos.dtype), device=k.device)
+    _rotary_kernel[(B * T,)](
+        q, k, cos, sin, q_out, k_out, T, *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
+        Hq, Hkv, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
+        BLOCK_HALF=triton.next_power_of_2(D // 2),
+    )
+    return q_out, k_out
+
+
+@jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, T,
+                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cb, stride_ct,
+                   stride_sb, stride_st, HQ, HKV, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                   BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    b, t = token // T, token % T
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < HALF
+    # The two halves of cos and sin [BLOCK_HALF] (equal for Rotary's tables, but the reference reads both).
+    c = cos_ptr + b * stride_cb + t * stride_ct + d
+    s = sin_ptr + b * stride_sb + t * stride_st + d
+    c1, c2 = tl.load(c, mask=d_ok).to(tl.float32), tl.load(c + HALF, mask=d_ok).to(tl.float32)
+    s1, s2 = tl.load(s, mask=d_ok).to(tl.float32), tl.load(s + HALF, mask=d_ok).to(tl.float32)
+    _rotate_heads(q_ptr + b * stride_qb + t * stride_qt, stride_qh, q_out_ptr + token * HQ * 2 * HALF, HQ,
+                  c1, c2, s1, s2, d, d_ok, HALF, BLOCK_HQ)
+    _rotate_heads(k_ptr + b * stride_kb + t * stride_kt, stride_kh, k_out_ptr + token * HKV * 2 * HALF, HKV,
+                  c1, c2, s1, s2, d, d_ok, HALF, BLOCK_HKV)
+
+
+@jit
+def _rotate_heads(x_ptr, stride_h, out_ptr, H, c1, c2, s1, s2, d, d_ok, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """One token's H heads: out = x * cos + cat(-x2, x1) * sin, the two products and the sum each rounded to
+    the output dtype as torch does (x [BLOCK_H, BLOCK_HALF] per half; out rows contiguous)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    ok = (h < H) & d_ok[None, :]
+    x = x_ptr + h * stride_h + d[None, :]
+    x1 = tl.load(x, mask=ok).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=ok).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    out1 = (x1 * c1).to(ty).to(tl.float32) + (-x2 * s1).to(ty).to(tl.float32)
+    out2 = (x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)
+    out = out_ptr + h * (2 * HALF) + d[None, :]
+    tl.store(out, out1.to(ty), mask=ok)
+    tl.store(out + HALF, out2.to(ty), mask=ok)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """F.silu(gate) * up for two tensors of one shape -> a new contiguous tensor in the reference's dtype."""
+    assert gate.shape == up.shape
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    n = gate.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+    return out
+
+
+@jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    g = tl.load(gate_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty)  # F.silu rounds to gate's dtype
+    tl.store(out_ptr + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)

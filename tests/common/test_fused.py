@@ -1,0 +1,279 @@
+"""The fused kernels (common/fused.py) match the torch reference (common/layers.py), and the layers dispatch to them.
+
+Each `check_*` body runs in two places: on CUDA at the real shapes (`gpu` marker; Llama-3.1-8B: hidden 4096,
+Hq 32 / Hkv 8, D 128; SmolLM2-135M: hidden 576, Hq 9 / Hkv 3, D 64; 1 to 4096 rows) and on CPU under Triton's
+interpreter with small shapes, in a spawned worker (tests/triton_interpreter.py). The interpreter runs fp32 and
+fp16 only: triton 3.6's interpreter casts fp32 -> bf16 by truncating, not rounding to nearest, so its bf16 results
+are an ulp off wherever torch rounds up; bf16 runs on CUDA.
+
+Tolerance (atol = rtol), against the torch code in the same dtypes on the same device: 1e-5 for fp32 (fp32
+reduction order, fast rsqrt and exp), 2e-3 for fp16 and 1e-2 for bf16. The kernels round wherever the reference
+does, so what is left in half precision is one ulp (2^-11, 2^-8 relative) where an fp32 intermediate lands on
+the other side of a rounding boundary. The residual sum is compared exactly.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.common import fused
+from eyas.common.attention import CausalAttention
+from eyas.common.config import RopeConfig
+from eyas.common.layers import RMSNorm, Rotary, apply_rotary
+from eyas.common.target import TargetModel
+from tests import triton_interpreter
+from tests.conftest import FAMILIES
+
+pytest.importorskip("triton", reason="triton is not installed (the fused kernels are optional)")
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+EPS = 1e-6
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def assert_matches(out, ref, dtype: torch.dtype):
+    """`dtype`: the activations' (the rounding the kernels share with the reference)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def randn(*shape, dtype, device, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype=dtype, device=device)
+
+
+def check_rms_norm(device, dtype, rows, n, residual=False, sliced=False, weight_dtype=None, impl=fused.rms_norm):
+    """x [rows, n] whose row scales span 1e-3..10 (eps matters in the smallest); `sliced`: x and residual are
+    views with a row stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one)."""
+    scale = torch.logspace(-3, 1, rows)[:, None]
+    x, res = (randn(rows, 2 * n if sliced else n, dtype=dtype, device=device, seed=s, scale=scale)[:, :n]
+              for s in (0, 1))
+    norm = RMSNorm(n, EPS).to(device=device, dtype=weight_dtype or dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(n, dtype=norm.weight.dtype, device=device, seed=2, scale=0.1) + 1)
+        with fused.disabled():
+            ref = norm(x, res) if residual else norm(x)
+        out = impl(x, norm.weight, EPS, res if residual else None)
+    if residual:
+        assert torch.equal(out[1], ref[1]) and out[1].is_contiguous()
+        out, ref = out[0], ref[0]
+    assert_matches(out, ref, dtype)
+
+
+def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=fused.rotary):
+    """cos/sin from Rotary's tables at random positions; `strided`: q, k are [B, H, T, D] tensors transposed to
+    [B, T, H, D] (head stride D, token stride H * D), cos and sin one [1, T, D] row broadcast over B."""
+    q, k = (randn(B, H, T, D, dtype=dtype, device=device, seed=s).transpose(1, 2) if strided else
+            randn(B, T, H, D, dtype=dtype, device=device, seed=s) for s, H in ((0, Hq), (1, Hkv)))
+    positions = torch.randint(0, 100_000, (1 if strided else B, T), generator=torch.Generator().manual_seed(2))
+    rotary = Rotary(RopeConfig(theta=500000.0), D).to(device)
+    cos, sin = rotary(positions.to(device), dtype)
+    q_out, k_out = impl(q, k, cos, sin)
+    assert_matches(q_out, apply_rotary(q, cos, sin), dtype)
+    assert_matches(k_out, apply_rotary(k, cos, sin), dtype)
+
+
+def check_silu_mul(device, dtype, shape, impl=fused.silu_mul):
+    gate = randn(*shape, dtype=dtype, device=device, seed=0, scale=4.0)  # well into both tails of SiLU
+    up = randn(*shape, dtype=dtype, device=device, seed=1)
+    assert_matches(impl(gate, up), F.silu(gate) * up, dtype)
+
+
+def check_model(path, device, dtype, rel_tol, T):
+    """The whole TargetModel forward on 2 rows of T tokens (final hidden, aux states, logits) with the fused kernels
+    vs without, under no_grad, each kernel called where expected; with grad enabled, the torch path runs."""
+    model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(T, device=device).expand(2, -1) + 7
+
+    def forward():
+        out = model(ids, positions, CausalAttention(), aux_layers=cfg.default_aux_layers)
+        return out.hidden, out.aux, model.logits(out.hidden)
+
+    calls = {name: 0 for name in ("rms_norm", "rotary", "silu_mul")}
+    real = {name: getattr(fused, name) for name in calls}
+
+    def spy(name):
+        def counted(*args):
+            calls[name] += 1
+            return real[name](*args)
+        return counted
+
+    for name in calls:
+        setattr(fused, name, spy(name))
+    try:
+        with torch.no_grad():
+            with fused.disabled():
+                ref = forward()
+            assert not any(calls.values())
+            out = forward()
+        L = cfg.num_hidden_layers
+        # Per layer: the input norm, the fused add + post-attention norm, Qwen3's q and k norms; the final norm.
+        assert calls == dict(rms_norm=(4 if cfg.qk_norm else 2) * L + 1, rotary=L, silu_mul=L)
+        for a, b in zip(out, ref, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert rel < rel_tol, f"relative error {rel:.2e}"
+        before = dict(calls)
+        with torch.enable_grad():
+            grad_out = forward()
+        assert calls == before and grad_out[0].requires_grad  # autograd ran the torch path
+        for a, b in zip(grad_out, ref, strict=True):
+            torch.testing.assert_close(a.detach(), b, atol=rel_tol, rtol=rel_tol)
+    finally:
+        for name in calls:
+            setattr(fused, name, real[name])
+
+
+def _id(value):
+    return str(value)[6:] if isinstance(value, torch.dtype) else None
+
+
+# --- CUDA: the real shapes ---
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("rows, n", [(1, 4096), (7, 4096), (4096, 4096), (1, 576), (4096, 576), (4096 * 8, 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_rms_norm_cuda(dtype, rows, n, residual):
+    check_rms_norm("cuda", dtype, rows, n, residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_rms_norm_cuda_strided_and_mixed_dtypes(dtype):
+    check_rms_norm("cuda", dtype, 300, 4096, True, True)
+    check_rms_norm("cuda", dtype, 300, 576, False, False, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("B, T", [(1, 1), (64, 1), (1, 4096), (4, 300)])
+@pytest.mark.parametrize("Hq, Hkv, D", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_rotary_cuda(dtype, Hq, Hkv, D, B, T, strided):
+    check_rotary("cuda", dtype, B, T, Hq, Hkv, D, strided)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 14336), (4, 300, 14336), (64, 1, 1536), (1, 4096, 1536)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_silu_mul_cuda(dtype, shape):
+    check_silu_mul("cuda", dtype, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_cuda(family, hf_checkpoint):
+    check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 1e-2, 300)
+
+
+@pytest.mark.gpu
+def test_model_cuda_graph(hf_checkpoint):
+    """The fused forward captures in a CUDA graph (no host syncs) and replays on new inputs."""
+    model = TargetModel.from_pretrained(hf_checkpoint("qwen3")[0], dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (4, 5), device="cuda")
+    positions = torch.arange(5, device="cuda").expand(4, -1).contiguous()
+    forward = lambda: model(ids, positions, CausalAttention()).hidden
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()  # compiles the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward()
+        for seed in (1, 2):
+            ids.copy_(torch.randint(0, model.config.vocab_size, (4, 5), generator=torch.Generator().manual_seed(seed)))
+            positions.add_(11)
+            graph.replay()
+            torch.testing.assert_close(out, forward(), atol=1e-2, rtol=1e-2)  # a stale replay would be far off
+
+
+# --- CPU: Triton's interpreter, small shapes ---
+@pytest.fixture(scope="module")
+def interpreter():
+    with triton_interpreter.worker() as run:
+        yield run
+
+
+HALVES = [torch.float32, torch.float16]
+RMS_CPU = [(1, 576, False, False, None), (7, 96, True, False, None), (33, 128, True, True, None),
+           (5, 64, False, True, torch.float32)]  # rows, n, residual, sliced, weight_dtype
+
+
+@pytest.mark.parametrize("case", RMS_CPU, ids=lambda c: f"r{c[0]}-n{c[1]}{'-add' * c[2]}{'-sliced' * c[3]}"
+                         f"{'-w32' * (c[4] is not None)}")
+@pytest.mark.parametrize("dtype", HALVES, ids=_id)
+def test_rms_norm_interpreter(interpreter, dtype, case):
+    interpreter(check_rms_norm, "cpu", dtype, *case)
+
+
+ROTARY_CPU = [(1, 1, 9, 3, 64, False), (2, 5, 4, 2, 128, True), (2, 3, 3, 1, 80, False)]  # B, T, Hq, Hkv, D, strided
+
+
+@pytest.mark.parametrize("case", ROTARY_CPU, ids=lambda c: "B{}-T{}-Hq{}-Hkv{}-D{}".format(*c) + "-strided" * c[5])
+@pytest.mark.parametrize("dtype", HALVES, ids=_id)
+def test_rotary_interpreter(interpreter, dtype, case):
+    interpreter(check_rotary, "cpu", dtype, *case)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 3, 700)], ids=str)
+@pytest.mark.parametrize("dtype", HALVES, ids=_id)
+def test_silu_mul_interpreter(interpreter, dtype, shape):
+    interpreter(check_silu_mul, "cpu", dtype, shape)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_model_interpreter(interpreter, family, hf_checkpoint):
+    interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, 9)
+
+
+def _norm_without_eps(x, weight, eps, residual):
+    return fused.rms_norm(x, weight, 0.0, residual)
+
+
+def _rotary_sin_negated(q, k, cos, sin):
+    return fused.rotary(q, k, cos, -sin)
+
+
+def _silu_of_up(gate, up):
+    return fused.silu_mul(up, gate)
+
+
+@pytest.mark.parametrize("check, args", [
+    (check_rms_norm, ("cpu", torch.float32, 7, 96, True, False, None, _norm_without_eps)),
+    (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
+    (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
+], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up"])
+def test_checks_catch_wrong_kernels(interpreter, check, args):
+    """The comparisons can fail: subtly wrong uses of each kernel are caught."""
+    with pytest.raises(AssertionError):
+        interpreter(check, *args)
+
+
+def check_enabled():
+    x = torch.ones(2, 4)
+    with torch.no_grad():
+        assert fused.enabled(x) and not fused.enabled(x.double())
+        with fused.disabled():
+            assert not fused.enabled(x)
+        assert fused.enabled(x)
+    assert not fused.enabled(x)  # grad enabled: autograd needs the torch path
+
+
+def test_dispatch_rule(interpreter):
+    """On CPU only the interpreter enables the fused path; there, only without grad and not disabled."""
+    with torch.no_grad():
+        assert fused.enabled(torch.ones(2)) == fused._INTERPRET  # False unless pytest itself runs interpreted
+    interpreter(check_enabled)
+
+
+def test_rows_view_or_copy():
+    """Row-strided inputs reach the kernel as views, column-strided ones as copies."""
+    x = torch.randn(4, 3, 10)[..., :8]
+    assert fused._rows(x).data_ptr() == x.data_ptr() and fused._rows(x).stride() == (10, 1)
+    y = torch.randn(8, 4).T
+    assert fused._rows(y).is_contiguous() and fused._rows(y).data_ptr() != y.data_ptr()
