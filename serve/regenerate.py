@@ -4,19 +4,21 @@ learns the target's own distribution rather than another model's.
     python -m eyas.serve.regenerate --data sharegpt --target smollm2-135m-instruct --output regen.jsonl
     python -m eyas.serve.regenerate --data chats.jsonl --endpoint http://127.0.0.1:8000/v1 --model my-model ...
 
-Turn by turn: assistant turn j is rewritten from the conversation's earlier (already rewritten) turns, for
-all conversations of a batch at once: in-process through eyas's engine (continuous batching), or through
-any OpenAI-compatible endpoint (concurrent requests). The output is OpenAI `messages` JSONL, one line per
-conversation with its index in the input (`{"index": i, "messages": [...]}`); a rerun skips the indices
-already written, so an interrupted run resumes where it stopped.
+Turn by turn: assistant turn j is rewritten from the conversation's earlier (already rewritten) turns.
+`--batch-size` conversations are in flight at once, each with at most one pending reply; as soon as a reply
+comes back its conversation asks for its next turn, and a finished conversation is written and replaced by
+the next one (no turn waits for the others). Replies come from eyas's engine in-process (continuous
+batching) or from any OpenAI-compatible endpoint (concurrent requests). The output is OpenAI `messages`
+JSONL, one line per conversation with its index in the input (`{"index": i, "messages": [...]}`), in the
+order conversations finish; a rerun skips the indices already written, so an interrupted run resumes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from itertools import islice
 from pathlib import Path
 
@@ -29,87 +31,145 @@ from eyas.data.conversations import Conversation, read_conversations
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
 from .attention import add_engine_arguments
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, Request
 from .sampling import SamplingParams
 
-# Generates one reply for each prompt (a conversation ending with a user turn).
-Replier = Callable[[list[Conversation]], list[str]]
+
+class Replier:
+    """Answers prompts (conversations ending with a user turn) asynchronously: `submit` returns a handle,
+    `collect` waits until at least one submitted prompt is answered and returns the answered (handle, text)
+    pairs. An empty text ends its conversation."""
+
+    def submit(self, prompt: Conversation) -> object:
+        raise NotImplementedError
+
+    def collect(self) -> list[tuple[object, str]]:
+        raise NotImplementedError
 
 
-def engine_replier(engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int,
-                   max_prompt_tokens: int | None = None) -> Replier:
-    """Replies in one continuous batch. A prompt longer than `max_prompt_tokens` (past what training keeps)
-    or the context gets an empty reply, which ends its conversation."""
-    stops = set(stop_token_ids(tokenizer))
+class EngineReplier(Replier):
+    """In-process: every pending prompt is a request of one engine, decoded in one continuous batch. A prompt
+    longer than `max_prompt_tokens` (past what training keeps) or the context gets an empty reply."""
 
-    def reply(prompts: list[Conversation]) -> list[str]:
-        requests = []
-        for messages in prompts:
-            ids = render_chat(tokenizer, messages)
-            budget = min(max_new_tokens, engine.room(len(ids)))
-            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                budget = 0
-            requests.append(engine.add_request(ids, params, budget, stops) if budget > 0 else None)
-        while engine.has_work():
-            engine.step()
-        return [
-            "" if r is None else tokenizer.decode([t for t in r.output if t not in stops]).strip() for r in requests
-        ]
+    def __init__(self, engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int,
+                 max_prompt_tokens: int | None = None):
+        self.engine, self.tokenizer, self.params = engine, tokenizer, params
+        self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
+        self.stops = set(stop_token_ids(tokenizer))
+        self.pending: list[Request] = []
+        self.refused: list[object] = []  # handles answered "" without running
 
-    return reply
+    def submit(self, prompt: Conversation) -> object:
+        ids = render_chat(self.tokenizer, prompt)
+        budget = min(self.max_new_tokens, self.engine.room(len(ids)))
+        if budget <= 0 or (self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens):
+            handle = object()
+            self.refused.append(handle)
+            return handle
+        request = self.engine.add_request(ids, self.params, budget, self.stops)
+        self.pending.append(request)
+        return request
+
+    def collect(self) -> list[tuple[object, str]]:
+        done = [(handle, "") for handle in self.refused]
+        self.refused = []
+        while not done and self.pending:
+            self.engine.step()
+            finished = [r for r in self.pending if r.finished]
+            if finished:
+                self.pending = [r for r in self.pending if not r.finished]
+                done += [(r, self.tokenizer.decode([t for t in r.output if t not in self.stops]).strip())
+                         for r in finished]
+        return done
 
 
-def endpoint_replier(base_url: str, model: str, params: SamplingParams, max_new_tokens: int,
-                     concurrency: int = 16) -> Replier:
-    import httpx
+class EndpointReplier(Replier):
+    """Through any OpenAI-compatible endpoint, one HTTP request per pending prompt."""
 
-    client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
+    def __init__(self, base_url: str, model: str, params: SamplingParams, max_new_tokens: int, concurrency: int):
+        import httpx
 
-    def one(messages: Conversation) -> str:
-        body = {"model": model, "messages": messages, "max_tokens": max_new_tokens,
-                "temperature": params.temperature, "top_p": params.top_p}
-        response = client.post("/chat/completions", json=body)
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
+        self.body = {"model": model, "max_tokens": max_new_tokens, "temperature": params.temperature,
+                     "top_p": params.top_p}
+        self.pool = ThreadPoolExecutor(concurrency)
+        self.pending: set[Future] = set()
+
+    def _one(self, prompt: Conversation) -> str:
+        response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
         response.raise_for_status()
         return response.json()["choices"][0]["message"]["content"].strip()
 
-    def reply(prompts: list[Conversation]) -> list[str]:
-        with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(one, prompts))
+    def submit(self, prompt: Conversation) -> object:
+        future = self.pool.submit(self._one, prompt)
+        self.pending.add(future)
+        return future
 
-    return reply
-
-
-def regenerate_batch(conversations: list[Conversation], reply: Replier) -> list[Conversation]:
-    """Rewrites every assistant turn, turn index by turn index across the batch. A reply that comes back
-    empty ends that conversation there (nothing after it is kept)."""
-    out: list[Conversation] = [[] for _ in conversations]
-    done = [False] * len(conversations)
-    for turn in range(max(len(c) for c in conversations)):
-        prompts, owners = [], []
-        for i, conv in enumerate(conversations):
-            if done[i] or turn >= len(conv):
-                continue
-            if conv[turn]["role"] != "assistant":
-                out[i].append(dict(conv[turn]))
-                continue
-            prompts.append(out[i])
-            owners.append(i)
-        if not prompts:
-            continue
-        for i, text in zip(owners, reply(prompts), strict=True):
-            if text:
-                out[i].append({"role": "assistant", "content": text})
-            else:
-                done[i] = True
-    # Drop a dangling user turn left where a reply came back empty.
-    return [conv[:-1] if conv and conv[-1]["role"] != "assistant" else conv for conv in out]
+    def collect(self) -> list[tuple[object, str]]:
+        done, self.pending = wait(self.pending, return_when=FIRST_COMPLETED)
+        return [(future, future.result()) for future in done]
 
 
-def regenerate_file(data: str | Path, output: Path, reply: Replier, batch_size: int = 64,
+class Rewrite:
+    """One conversation's assistant turns rewritten in order: `prompt` gives the next turn's prompt (None
+    when done), `answer` records its reply (an empty one ends the conversation), `result` the rewrite."""
+
+    def __init__(self, source: Conversation):
+        self.source, self.out, self.turn = source, [], 0
+
+    def prompt(self) -> Conversation | None:
+        while self.turn < len(self.source):  # copy the turns before the next assistant turn
+            message = self.source[self.turn]
+            if message["role"] == "assistant":
+                return list(self.out)
+            self.out.append(dict(message))
+            self.turn += 1
+        return None
+
+    def answer(self, text: str) -> None:
+        if text:
+            self.out.append({"role": "assistant", "content": text})
+            self.turn += 1
+        else:
+            self.turn = len(self.source)
+
+    def result(self) -> Conversation:
+        """The rewrite, without a dangling user turn left where a reply came back empty."""
+        return self.out[:-1] if self.out and self.out[-1]["role"] != "assistant" else self.out
+
+
+def regenerate(conversations: Iterable[tuple[int, Conversation]], replier: Replier, in_flight: int
+               ) -> Iterator[tuple[int, Conversation]]:
+    """Yields (index, rewritten conversation) as each finishes, keeping `in_flight` conversations pending."""
+    source = iter(conversations)
+    active: dict[object, tuple[int, Rewrite]] = {}
+    finished: list[tuple[int, Conversation]] = []
+
+    def advance(index: int, rewrite: Rewrite) -> None:
+        prompt = rewrite.prompt()
+        if prompt is None:
+            finished.append((index, rewrite.result()))
+        else:
+            active[replier.submit(prompt)] = (index, rewrite)
+
+    while True:
+        while len(active) < in_flight and (item := next(source, None)) is not None:
+            advance(item[0], Rewrite(item[1]))
+        yield from finished
+        finished.clear()
+        if not active:
+            return
+        for handle, text in replier.collect():
+            index, rewrite = active.pop(handle)
+            rewrite.answer(text)
+            advance(index, rewrite)
+
+
+def regenerate_file(data: str | Path, output: Path, replier: Replier, batch_size: int = 64,
                     limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
     """Regenerates the conversations of `data` (a file or packaged data set name) into `output` (JSONL,
-    appended; indices already there are skipped). `shard` (i, n) takes the conversations whose index is i
-    modulo n (one process per GPU). Returns the number of conversations written."""
+    appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
+    the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
     path = asset_path(str(data)) if str(data) in ASSETS else Path(data)
     done = set()
     if output.exists():
@@ -123,13 +183,12 @@ def regenerate_file(data: str | Path, output: Path, reply: Replier, batch_size: 
                if i % n_shards == i_shard and i not in done)
     written = 0
     with open(output, "a") as f, tqdm(desc="regenerating", unit="conv", initial=len(done), total=limit) as bar:
-        while batch := list(islice(pending, batch_size)):
-            for (index, _), messages in zip(batch, regenerate_batch([c for _, c in batch], reply), strict=True):
-                if any(m["role"] == "assistant" for m in messages):
-                    f.write(json.dumps({"index": index, "messages": messages}) + "\n")
-                    written += 1
-            f.flush()
-            bar.update(len(batch))
+        for index, messages in regenerate(pending, replier, batch_size):
+            if any(m["role"] == "assistant" for m in messages):
+                f.write(json.dumps({"index": index, "messages": messages}) + "\n")
+                f.flush()
+                written += 1
+            bar.update(1)
     return written
 
 
@@ -149,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", help="an OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default="default", help="the model name sent to --endpoint")
     parser.add_argument("--limit", type=int, help="regenerate only the first N conversations")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="conversations in flight at once")
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-prompt-tokens", type=int,
@@ -163,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if (args.target is None) == (args.endpoint is None):
         parser.error("give exactly one of --target (in-process) and --endpoint")
     if args.endpoint:
-        reply = endpoint_replier(args.endpoint, args.model, params, args.max_new_tokens)
+        replier = EndpointReplier(args.endpoint, args.model, params, args.max_new_tokens, args.batch_size)
     else:
         path = resolve_target(args.target)
         dtype = default_dtype(args.device)
@@ -171,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(speculative=False, max_batch_size=args.batch_size, attention=args.attention,
                               cuda_graphs=not args.disable_cuda_graph)
         engine = Engine(target, None, config)
-        reply = engine_replier(engine, load_tokenizer(path), params, args.max_new_tokens, args.max_prompt_tokens)
-    n = regenerate_file(args.data, args.output, reply, args.batch_size, args.limit, args.shard)
+        replier = EngineReplier(engine, load_tokenizer(path), params, args.max_new_tokens, args.max_prompt_tokens)
+    n = regenerate_file(args.data, args.output, replier, args.batch_size, args.limit, args.shard)
     print(f"wrote {n} conversations to {args.output}")
 
 

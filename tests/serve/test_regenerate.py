@@ -1,4 +1,4 @@
-"""Regeneration rewrites assistant turns in order, batches across conversations, and resumes."""
+"""Regeneration rewrites assistant turns in order, keeps conversations in flight independently, and resumes."""
 
 import json
 
@@ -6,35 +6,50 @@ from eyas.common.target import TargetModel
 from eyas.data.tokenizer import render_chat, stop_token_ids
 from eyas.serve.engine import Engine, EngineConfig
 from eyas.serve.generate import greedy_tokens
-from eyas.serve.regenerate import engine_replier, regenerate_batch, regenerate_file
+from eyas.serve.regenerate import EngineReplier, Replier, regenerate, regenerate_file
 from eyas.serve.sampling import SamplingParams
 from tests.conftest import make_hf_model
 
 
+class EchoReplier(Replier):
+    """Answers "<messages seen>:<last user text>" (or `answer(prompt)`); `collect` returns the oldest pending
+    prompt only, so conversations finish out of step. Records each prompt's length in `calls`."""
+
+    def __init__(self, calls, answer=None):
+        self.calls, self.pending = calls, []
+        self.answer = answer or (lambda p: f"{len(p)}:{p[-1]['content']}")
+
+    def submit(self, prompt):
+        self.calls.append(len(prompt))
+        handle = object()
+        self.pending.append((handle, self.answer(prompt)))
+        return handle
+
+    def collect(self):
+        return [self.pending.pop(0)]
+
+
 def echo_replier(calls):
-    """Replies with the number of messages it saw and the last user text; records each batch."""
-
-    def reply(prompts):
-        calls.append(len(prompts))
-        return [f"{len(p)}:{p[-1]['content']}" for p in prompts]
-
-    return reply
+    return EchoReplier(calls)
 
 
 def conv(*texts):
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
 
 
-def test_turns_are_rewritten_in_order_across_the_batch():
+def test_turns_are_rewritten_in_order_and_conversations_refill():
     calls = []
-    out = regenerate_batch([conv("a", "old", "b", "old"), conv("c", "old")], echo_replier(calls))
-    assert out == [conv("a", "1:a", "b", "3:b"), conv("c", "1:c")]
-    assert calls == [2, 1]  # turn 1 of both conversations in one batch, then turn 3 of the first
+    convs = [conv("a", "old", "b", "old"), conv("c", "old"), conv("d", "old")]
+    out = list(regenerate(enumerate(convs), echo_replier(calls), in_flight=2))
+    # a's first reply comes back first: a asks for its second turn at once, c's reply then finishes c,
+    # whose place goes to d.
+    assert out == [(1, conv("c", "1:c")), (0, conv("a", "1:a", "b", "3:b")), (2, conv("d", "1:d"))]
+    assert calls == [1, 1, 3, 1]
 
 
 def test_empty_reply_ends_the_conversation():
-    out = regenerate_batch([conv("a", "x", "b", "y")], lambda prompts: ["" if len(prompts[0]) > 1 else "ok"])
-    assert out == [conv("a", "ok")]
+    replier = EchoReplier([], answer=lambda p: "" if len(p) > 1 else "ok")
+    assert list(regenerate([(0, conv("a", "x", "b", "y"))], replier, in_flight=4)) == [(0, conv("a", "ok"))]
 
 
 def test_file_resumes_after_interruption(tmp_path):
@@ -49,7 +64,7 @@ def test_file_resumes_after_interruption(tmp_path):
     calls = []
     assert regenerate_file(data, out, echo_replier(calls), batch_size=2) == 2
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["index"] for r in rows] == [0, 1, 2, 3, 4] and calls == [2]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3, 4] and calls == [1, 1]  # only the two left ran
     assert rows[4]["messages"] == conv("q4", "1:q4")
 
 
@@ -71,13 +86,21 @@ def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path)
                   ).save_pretrained(tmp_path)
     target = TargetModel.from_pretrained(tmp_path)
     engine = Engine(target, None, EngineConfig(block_size=8, num_blocks=256))
-    reply = engine_replier(engine, tok, SamplingParams(temperature=0), max_new_tokens=12)
-    prompt = conv("Hello there")
-    (text,) = reply([prompt])
     stops = set(stop_token_ids(tok))
-    expected = [t for t in greedy_tokens(target, render_chat(tok, prompt), 12, stop_ids=stops) if t not in stops]
-    assert text == tok.decode(expected).strip()
-    # A prompt past max_prompt_tokens gets no reply (ending its conversation); a shorter one is answered.
-    n = len(render_chat(tok, prompt))
-    assert engine_replier(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n - 1)([prompt]) == [""]
-    assert engine_replier(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n)([prompt]) == [text]
+    prompts = [conv("Hello there"), conv("Name a colour, then explain it at length.")]
+    expected = [tok.decode([t for t in greedy_tokens(target, render_chat(tok, p), 12, stop_ids=stops)
+                            if t not in stops]).strip() for p in prompts]
+    # Both pending at once, answered as they finish; a prompt past max_prompt_tokens gets "" without running.
+    n = len(render_chat(tok, prompts[0]))
+    replier = EngineReplier(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n)
+    handles = [replier.submit(p) for p in prompts]
+    answers = {}
+    while len(answers) < 2:
+        answers.update(replier.collect())
+    assert [answers[h] for h in handles] == [expected[0], ""]
+    replier = EngineReplier(engine, tok, SamplingParams(temperature=0), 12)
+    handles = [replier.submit(p) for p in prompts]
+    answers = {}
+    while len(answers) < 2:
+        answers.update(replier.collect())
+    assert [answers[h] for h in handles] == expected
