@@ -7,36 +7,57 @@ load key for key.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import fused
 from .attention import AttentionMetadata
 from .config import RopeConfig
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """x [..., dim] -> norm(x); with `residual`: -> (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+        return rms_norm(x, weight, eps), x
+    # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos, sin [B, T, D]. Rotates the two halves of D (the HF / GGUF-converted layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise work of a layer. Layers call `self.kernels`; these torch versions are the reference, and
+    the server swaps in fused Triton ones from outside (`eyas.serve.kernels.install`), leaving the model as is."""
+
+    rms_norm: Callable = rms_norm  # (x, weight, eps, residual=None) as above
+    rotary: Callable = lambda q, k, cos, sin: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+    silu_mul: Callable = lambda gate, up: F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
+    kernels = Kernels()
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """x [..., dim] -> norm(x). With `residual` (fused add + norm): -> (norm(x + residual), x + residual)."""
-        if fused.enabled(x):
-            return fused.rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
-
-    def _norm(self, x: Tensor) -> Tensor:
-        # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """x [..., dim] -> norm(x). With `residual` (add + norm, one kernel when fused): -> (norm(x + residual),
+        x + residual)."""
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> Tensor:
@@ -78,15 +99,10 @@ class Rotary(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, T, H, D]; cos, sin [B, T, D]. Rotates the two halves of D (the HF / GGUF-converted layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, :, None] + rotated * sin[:, :, None]
-
-
 class Attention(nn.Module):
     """Grouped-query attention. `in_features` differs from the model width in the EAGLE-3 head (2H)."""
+
+    kernels = Kernels()
 
     def __init__(
         self,
@@ -117,15 +133,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if fused.enabled(q):
-            q, k = fused.rotary(q, k, cos, sin)
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.kernels.rotary(q, k, cos, sin)
         out = attn.attend(layer, q, k, v)  # [B, T, Hq, D]
         return self.o_proj(out.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    kernels = Kernels()
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -133,5 +148,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(fused.silu_mul(gate, up) if fused.enabled(x) else F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+KERNEL_USERS = (RMSNorm, Attention, MLP)  # the modules whose `kernels` the server replaces

@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
-        # The attention's residual add runs inside the second norm (one fused kernel on the inference path).
+        # The attention's residual add goes into the second norm (one kernel where the server installs fused ones).
         h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn, layer), x)
         return x + self.mlp(h)
 

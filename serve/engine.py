@@ -18,7 +18,8 @@ Per batch size the step may draft a different tree, or none (`EngineConfig.tree_
 whenever the batch size calls for speculation again.
 
 On CUDA with the triton backend, the target pass, the tree drafting and the draft extension of a decode
-step replay CUDA graphs (`cuda_graphs.py`): batches are padded to a bucket, block tables to full width.
+step replay CUDA graphs (`cuda_graphs.py`): batches are padded to a bucket, block tables to full width. On
+CUDA the models' elementwise work runs as fused Triton kernels (`kernels.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -27,6 +28,7 @@ preempts the newest request (its KV is freed and recomputed on readmission) inst
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from collections import defaultdict, deque
@@ -117,6 +119,13 @@ class Engine:
         self.target = target
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
+        if self.device.type == "cuda" and importlib.util.find_spec("triton"):
+            from .kernels import install
+
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
+            for model in (target, head):  # fused elementwise kernels (the layers' torch ones are the reference)
+                if model is not None:
+                    install(model)
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         self.speculative = head is not None and self.config.speculative

@@ -2,55 +2,34 @@
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
-reproduces the torch reference in `layers.py` rounding for rounding: arithmetic runs in fp32 (as torch's CUDA
-kernels compute half types in fp32), and every intermediate the reference materialises in a half dtype is
-rounded to that dtype here too. Results equal the reference up to fp32 reduction order and the fast rsqrt/exp.
+reproduces the torch reference in `eyas.common.layers` rounding for rounding: arithmetic runs in fp32 (as
+torch's CUDA kernels compute half types in fp32), and every intermediate the reference materialises in a half
+dtype is rounded to that dtype here too. Results equal the reference up to fp32 reduction order and the fast
+rsqrt/exp.
 
-`layers.py` calls them where `enabled(x)`: no autograd (they have no backward, so the trainer's heads keep the
-torch path; the frozen target runs under no_grad), triton importable, a tensor on the current CUDA device (or on
-the CPU under Triton's interpreter, TRITON_INTERPRET=1, as tests run it), and an fp32, fp16 or bf16 dtype.
-Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture them.
+The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
+default), and the engine installs `FUSED` on the models it serves with the triton attention backend
+(`install`). They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor shapes
+only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
-from torch import Tensor
+import triton
+import triton.language as tl
+from torch import Tensor, nn
 
-try:
-    import triton
-    import triton.language as tl
+from eyas.common.layers import KERNEL_USERS, Kernels
 
-    jit = triton.jit
-except ImportError:  # CPU-only installs and CI: enabled() is False, the kernels below stay plain functions
-    triton = tl = None
-    jit = lambda fn: fn
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are defined, as Triton does
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_disabled = False
+jit = triton.jit
 
 
-def enabled(x: Tensor) -> bool:
-    """Whether the layers take the fused path for activations like `x`."""
-    if _disabled or triton is None or x.dtype not in _DTYPES or torch.is_grad_enabled():
-        return False
-    # Triton launches on the current CUDA device, whatever the tensors' device; CPU tensors only interpreted.
-    return x.device.index == torch.cuda.current_device() if x.is_cuda else _INTERPRET
-
-
-@contextlib.contextmanager
-def disabled():
-    """Inside, every layer takes the torch reference path (tests compare the two)."""
-    global _disabled
-    saved, _disabled = _disabled, True
-    try:
-        yield
-    finally:
-        _disabled = saved
+def install(model: nn.Module, kernels: Kernels | None = None) -> None:
+    """Makes every layer of `model` use `kernels` (default: the fused ones, inference only: no backward)."""
+    for module in model.modules():
+        if isinstance(module, KERNEL_USERS):
+            module.kernels = kernels or FUSED
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -181,3 +160,6 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     up = tl.load(up_ptr + i, mask=ok, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty)  # F.silu rounds to gate's dtype
     tl.store(out_ptr + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)

@@ -1,4 +1,5 @@
-"""The fused kernels (common/fused.py) match the torch reference (common/layers.py), and the layers dispatch to them.
+"""The fused kernels (serve/kernels.py) match the torch reference (common/layers.py), and installed on a model they
+replace every layer's elementwise work.
 
 Each `check_*` body runs in two places: on CUDA at the real shapes (`gpu` marker; Llama-3.1-8B: hidden 4096,
 Hq 32 / Hkv 8, D 128; SmolLM2-135M: hidden 576, Hq 9 / Hkv 3, D 64; 1 to 4096 rows) and on CPU under Triton's
@@ -16,15 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.common import fused
 from eyas.common.attention import CausalAttention
 from eyas.common.config import RopeConfig
-from eyas.common.layers import RMSNorm, Rotary, apply_rotary
+from eyas.common.layers import Kernels, RMSNorm, Rotary, apply_rotary
 from eyas.common.target import TargetModel
 from tests import triton_interpreter
 from tests.conftest import FAMILIES
 
 pytest.importorskip("triton", reason="triton is not installed (the fused kernels are optional)")
+from eyas.serve import kernels  # noqa: E402  (needs triton)
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 EPS = 1e-6
@@ -43,7 +44,7 @@ def randn(*shape, dtype, device, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype=dtype, device=device)
 
 
-def check_rms_norm(device, dtype, rows, n, residual=False, sliced=False, weight_dtype=None, impl=fused.rms_norm):
+def check_rms_norm(device, dtype, rows, n, residual=False, sliced=False, weight_dtype=None, impl=kernels.rms_norm):
     """x [rows, n] whose row scales span 1e-3..10 (eps matters in the smallest); `sliced`: x and residual are
     views with a row stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one)."""
     scale = torch.logspace(-3, 1, rows)[:, None]
@@ -52,8 +53,7 @@ def check_rms_norm(device, dtype, rows, n, residual=False, sliced=False, weight_
     norm = RMSNorm(n, EPS).to(device=device, dtype=weight_dtype or dtype)
     with torch.no_grad():
         norm.weight.copy_(randn(n, dtype=norm.weight.dtype, device=device, seed=2, scale=0.1) + 1)
-        with fused.disabled():
-            ref = norm(x, res) if residual else norm(x)
+        ref = norm(x, res) if residual else norm(x)  # the torch kernels, the layers' default
         out = impl(x, norm.weight, EPS, res if residual else None)
     if residual:
         assert torch.equal(out[1], ref[1]) and out[1].is_contiguous()
@@ -61,7 +61,7 @@ def check_rms_norm(device, dtype, rows, n, residual=False, sliced=False, weight_
     assert_matches(out, ref, dtype)
 
 
-def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=fused.rotary):
+def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=kernels.rotary):
     """cos/sin from Rotary's tables at random positions; `strided`: q, k are [B, H, T, D] tensors transposed to
     [B, T, H, D] (head stride D, token stride H * D), cos and sin one [1, T, D] row broadcast over B."""
     q, k = (randn(B, H, T, D, dtype=dtype, device=device, seed=s).transpose(1, 2) if strided else
@@ -74,7 +74,7 @@ def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=fused.rota
     assert_matches(k_out, apply_rotary(k, cos, sin), dtype)
 
 
-def check_silu_mul(device, dtype, shape, impl=fused.silu_mul):
+def check_silu_mul(device, dtype, shape, impl=kernels.silu_mul):
     gate = randn(*shape, dtype=dtype, device=device, seed=0, scale=4.0)  # well into both tails of SiLU
     up = randn(*shape, dtype=dtype, device=device, seed=1)
     assert_matches(impl(gate, up), F.silu(gate) * up, dtype)
@@ -82,7 +82,7 @@ def check_silu_mul(device, dtype, shape, impl=fused.silu_mul):
 
 def check_model(path, device, dtype, rel_tol, T):
     """The whole TargetModel forward on 2 rows of T tokens (final hidden, aux states, logits) with the fused kernels
-    vs without, under no_grad, each kernel called where expected; with grad enabled, the torch path runs."""
+    installed vs the torch ones, each fused kernel called where expected."""
     model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0)).to(device)
@@ -93,38 +93,27 @@ def check_model(path, device, dtype, rel_tol, T):
         return out.hidden, out.aux, model.logits(out.hidden)
 
     calls = {name: 0 for name in ("rms_norm", "rotary", "silu_mul")}
-    real = {name: getattr(fused, name) for name in calls}
 
-    def spy(name):
-        def counted(*args):
+    def counted(name):
+        def call(*args):
             calls[name] += 1
-            return real[name](*args)
-        return counted
+            return getattr(kernels.FUSED, name)(*args)
+        return call
 
-    for name in calls:
-        setattr(fused, name, spy(name))
-    try:
-        with torch.no_grad():
-            with fused.disabled():
-                ref = forward()
-            assert not any(calls.values())
-            out = forward()
-        L = cfg.num_hidden_layers
-        # Per layer: the input norm, the fused add + post-attention norm, Qwen3's q and k norms; the final norm.
-        assert calls == dict(rms_norm=(4 if cfg.qk_norm else 2) * L + 1, rotary=L, silu_mul=L)
-        for a, b in zip(out, ref, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
-            assert rel < rel_tol, f"relative error {rel:.2e}"
-        before = dict(calls)
-        with torch.enable_grad():
-            grad_out = forward()
-        assert calls == before and grad_out[0].requires_grad  # autograd ran the torch path
-        for a, b in zip(grad_out, ref, strict=True):
-            torch.testing.assert_close(a.detach(), b, atol=rel_tol, rtol=rel_tol)
-    finally:
-        for name in calls:
-            setattr(fused, name, real[name])
+    with torch.no_grad():
+        ref = forward()
+        kernels.install(model, Kernels(**{name: counted(name) for name in calls}))
+        out = forward()
+    L = cfg.num_hidden_layers
+    # Per layer: the input norm, the add + post-attention norm, Qwen3's q and k norms; the final norm.
+    assert calls == dict(rms_norm=(4 if cfg.qk_norm else 2) * L + 1, rotary=L, silu_mul=L)
+    for a, b in zip(out, ref, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < rel_tol, f"relative error {rel:.2e}"
+    kernels.install(model, Kernels())  # back to the torch reference
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(forward(), ref, strict=True))
 
 
 def _id(value):
@@ -173,6 +162,7 @@ def test_model_cuda(family, hf_checkpoint):
 def test_model_cuda_graph(hf_checkpoint):
     """The fused forward captures in a CUDA graph (no host syncs) and replays on new inputs."""
     model = TargetModel.from_pretrained(hf_checkpoint("qwen3")[0], dtype=torch.bfloat16, device="cuda")
+    kernels.install(model)
     ids = torch.randint(0, model.config.vocab_size, (4, 5), device="cuda")
     positions = torch.arange(5, device="cuda").expand(4, -1).contiguous()
     forward = lambda: model(ids, positions, CausalAttention()).hidden
@@ -232,15 +222,15 @@ def test_model_interpreter(interpreter, family, hf_checkpoint):
 
 
 def _norm_without_eps(x, weight, eps, residual):
-    return fused.rms_norm(x, weight, 0.0, residual)
+    return kernels.rms_norm(x, weight, 0.0, residual)
 
 
 def _rotary_sin_negated(q, k, cos, sin):
-    return fused.rotary(q, k, cos, -sin)
+    return kernels.rotary(q, k, cos, -sin)
 
 
 def _silu_of_up(gate, up):
-    return fused.silu_mul(up, gate)
+    return kernels.silu_mul(up, gate)
 
 
 @pytest.mark.parametrize("check, args", [
@@ -254,26 +244,9 @@ def test_checks_catch_wrong_kernels(interpreter, check, args):
         interpreter(check, *args)
 
 
-def check_enabled():
-    x = torch.ones(2, 4)
-    with torch.no_grad():
-        assert fused.enabled(x) and not fused.enabled(x.double())
-        with fused.disabled():
-            assert not fused.enabled(x)
-        assert fused.enabled(x)
-    assert not fused.enabled(x)  # grad enabled: autograd needs the torch path
-
-
-def test_dispatch_rule(interpreter):
-    """On CPU only the interpreter enables the fused path; there, only without grad and not disabled."""
-    with torch.no_grad():
-        assert fused.enabled(torch.ones(2)) == fused._INTERPRET  # False unless pytest itself runs interpreted
-    interpreter(check_enabled)
-
-
 def test_rows_view_or_copy():
     """Row-strided inputs reach the kernel as views, column-strided ones as copies."""
     x = torch.randn(4, 3, 10)[..., :8]
-    assert fused._rows(x).data_ptr() == x.data_ptr() and fused._rows(x).stride() == (10, 1)
+    assert kernels._rows(x).data_ptr() == x.data_ptr() and kernels._rows(x).stride() == (10, 1)
     y = torch.randn(8, 4).T
-    assert fused._rows(y).is_contiguous() and fused._rows(y).data_ptr() != y.data_ptr()
+    assert kernels._rows(y).is_contiguous() and kernels._rows(y).data_ptr() != y.data_ptr()
