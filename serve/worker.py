@@ -23,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .engine import Engine, Request
 from .metrics import Metrics
 from .sampling import SamplingParams
@@ -114,6 +116,8 @@ class EngineWorker:
 
     def _run(self) -> None:
         engine = self.engine
+        if engine.device.type == "cuda":
+            torch.cuda.set_device(engine.device)  # per thread; Triton kernels launch on the current device
         while True:
             self._take_commands(block=not engine.has_work() and self._deadline is None)
             if self._deadline is not None:
