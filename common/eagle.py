@@ -78,8 +78,8 @@ class EagleLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
         h = x if self.input_layernorm is None else self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, attn, self.index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn, self.index), x)  # add + norm
+        return x + self.mlp(h)
 
 
 class EagleHead(nn.Module):

@@ -143,8 +143,9 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
-        r = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, attn, 0)
-        return r + self.mlp(self.post_attention_layernorm(r))
+        residual = normed if self.norm_before_residual else hidden
+        h, r = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, 0), residual)  # add + norm, one kernel
+        return r + self.mlp(h)
 
 
 class Eagle3Head(nn.Module):

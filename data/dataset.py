@@ -130,14 +130,16 @@ def _tokenize_batch(
     return out
 
 
-def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def collate(rows: list[dict], pad_id: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-padded batch: `input_ids [B, T]` long, `loss_mask [B, T]` long, `attention_mask [B, T]` long,
-    T the longest row. Padding is masked out of both attention and loss, so `pad_id` only fills space."""
+    T the longest row rounded up to `multiple` (few distinct shapes). Padding is masked out of both attention
+    and loss, so `pad_id` only fills space."""
     lengths = [len(row["input_ids"]) for row in rows]
+    T = -(-max(lengths) // multiple) * multiple
     batch = {
-        "input_ids": torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long),
-        "loss_mask": torch.zeros(len(rows), max(lengths), dtype=torch.long),
-        "attention_mask": torch.zeros(len(rows), max(lengths), dtype=torch.long),
+        "input_ids": torch.full((len(rows), T), pad_id, dtype=torch.long),
+        "loss_mask": torch.zeros(len(rows), T, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), T, dtype=torch.long),
     }
     for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])

@@ -36,7 +36,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from eyas.common.attention import CausalAttention
@@ -176,10 +175,14 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         return {**self.__dict__, "_open": {}}  # open file handles do not pickle (DataLoader workers reopen them)
 
 
-def collate_hidden_states(rows: list[dict], pad_id: int = 0) -> dict[str, Tensor]:
-    """`data.dataset.collate`'s right-padded batch plus `aux` [B, T, 3·H] and `hidden` [B, T, H] (or `logits`
-    [B, T, V]), zero past each row's end."""
-    batch = collate(rows, pad_id)
+def collate_hidden_states(rows: list[dict], multiple: int = 1) -> dict[str, Tensor]:
+    """`data.dataset.collate`'s right-padded batch (T rounded up to `multiple`) plus `aux` [B, T, 3·H] and
+    `hidden` [B, T, H] (or `logits` [B, T, V]), zero past each row's end: each row copied once."""
+    batch = collate(rows, multiple=multiple)
+    B, T = batch["input_ids"].shape
     for key in [k for k in rows[0] if k not in batch]:
-        batch[key] = pad_sequence([row[key] for row in rows], batch_first=True)
+        first = rows[0][key]
+        batch[key] = first.new_zeros(B, T, *first.shape[1:])
+        for i, row in enumerate(rows):
+            batch[key][i, : len(row[key])] = row[key]
     return batch

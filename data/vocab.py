@@ -21,6 +21,7 @@ import torch
 from datasets import Dataset
 from torch import Tensor
 
+from eyas.common.assets import resolve_asset
 from eyas.common.hot_vocab import HotVocab
 
 DEFAULT_SIZE = 32000
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         "token ids, most frequent first.",
     )
     parser.add_argument("--target", required=True, help="HF directory, .gguf file, or packaged model name")
-    parser.add_argument("--data", required=True, type=Path, help="ShareGPT JSON, messages JSONL or UltraChat file")
+    parser.add_argument("--data", required=True, type=resolve_asset,
+                        help="ShareGPT JSON, messages JSONL or UltraChat file, or a packaged data set (sharegpt)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="ids to keep (default %(default)s)")
     parser.add_argument("--output", required=True, type=Path, help="the token map to write, e.g. freq_32000.pt")
     parser.add_argument("--format", choices=FORMATS, help="record layout (default: recognised per record)")

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API (FastAPI) over the engine worker.
 
-    app = create_app(worker, tokenizer, model_name="smollm2", metrics=metrics)   # serve-eagle builds this
+    app = create_app(worker, tokenizer, model_name="smollm2")   # serve-eagle builds this
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints:
@@ -209,10 +209,10 @@ class Generation:
                 "accepted_per_step": self.finish.accepted}
 
 
-def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_name: str,
-               metrics: Metrics | None = None) -> FastAPI:
-    """The app; its lifespan starts the worker and, at exit, shuts it down (running requests finish first)."""
-    metrics = metrics or worker.metrics or Metrics()
+def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_name: str) -> FastAPI:
+    """The app; its lifespan starts the worker and, at exit, shuts it down (running requests finish first).
+    /metrics renders the worker's metrics."""
+    metrics = worker.metrics
     stop_ids = set(stop_token_ids(tokenizer))
     created = int(time.time())
 

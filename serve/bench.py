@@ -32,10 +32,11 @@ from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import read_conversations
 from eyas.data.tokenizer import load_tokenizer, render_chat
 
-from .attention import add_engine_arguments
+from .attention import add_engine_arguments, engine_options
 from .autotune import format_setting, parse_setting, write_autotune
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
+from .evaluate import load_questions
 from .sampling import SamplingParams
 
 
@@ -70,7 +71,7 @@ PROMPT_SETS = ("sharegpt", "mt-bench")
 def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     """The first `n` first user turns of a packaged set that render to at most `max_len` tokens."""
     if name == "mt-bench":
-        turns = (json.loads(line)["turns"][0] for line in asset_path(name).read_text().splitlines() if line)
+        turns = (question[0] for question in load_questions(name))
     else:
         turns = (c[0]["content"] for c in read_conversations(asset_path(name)) if c[0]["role"] == "user")
     rendered = (render_chat(tokenizer, [{"role": "user", "content": t}]) for t in turns)
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name")
     parser.add_argument("--draft", help="a draft head directory (default with --random-weights: a random head)")
+    parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
     parser.add_argument("--random-weights", action="store_true", help="random target and head of --arch")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
     parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
@@ -187,13 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not (args.target and args.draft):
             parser.error("give --target and --draft, or --random-weights")
-        target = TargetModel.from_pretrained(resolve_target(args.target), dtype=dtype, device=args.device)
-        head = load_draft_head(args.draft, target, dtype=dtype, device=args.device)
+        path = resolve_target(args.target)
+        target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
+        head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
     n = max(args.batch_sizes)
     if args.prompts in PROMPT_SETS:
         if args.random_weights:
             parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
-        prompts = chat_prompts(args.prompts, load_tokenizer(resolve_target(args.target)), n, args.input_len)
+        prompts = chat_prompts(args.prompts, load_tokenizer(path), n, args.input_len)
     elif args.prompts:
         prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line]
         prompts = (prompts * n)[:n]
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
 
-    engine = {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph}
+    engine = engine_options(args)
     run_setting(target, head, None, prompts, 8, 1, **engine)  # process-wide warm-up (kernel selection, allocator)
     results: list[Result] = []
     for bs in args.batch_sizes:
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio = f"; speculation off at batch 1: {off.step_ms:.2f} ms ({off.step_ms / floor:.2f}x)" if off else ""
         print(f"weight-streaming floor (linear layers alone, CUDA graph): {floor:.2f} ms{ratio}")
     if args.compare_hf and not args.random_weights:
-        hf = hf_tokens_per_s(resolve_target(args.target), prompts[:4], args.output_len, args.device, dtype)
+        hf = hf_tokens_per_s(path, prompts[:4], args.output_len, args.device, dtype)
         best = max(r.tokens_per_s for r in results if r.batch_size == 1)
         print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s; eyas best at batch 1: {best:.1f} tok/s "
               f"({best / hf:.2f}x)")

@@ -26,7 +26,7 @@ from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
-from .attention import add_engine_arguments
+from .attention import add_engine_arguments, engine_options
 from .autotune import read_autotune
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
@@ -134,12 +134,12 @@ def main(argv: list[str] | None = None) -> None:
         head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
     config = EngineConfig(speculative=head is not None, tree=args.tree, tree_by_batch=args.tree_by_batch,
                           mem_fraction=args.mem_fraction,
-                          max_batch_size=args.max_batch_size, attention=args.attention,
-                          cuda_graphs=not args.disable_cuda_graph)
+                          max_batch_size=args.max_batch_size, **engine_options(args))
     engine = Engine(target, head, config)
-    metrics = Metrics(max_accept=max([1] + [t.num_draft_tokens for t in engine.trees]))
+    # Tokens a verification can yield: the deepest tree's steps plus the bonus token.
+    metrics = Metrics(max_accept=1 + max([0] + [t.num_steps for t in engine.trees]))
     name = args.model_name or model_name(args.target, path)
-    app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name, metrics)
+    app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name)
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")
           + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     # On Ctrl-C: new connections are refused, open ones get 30 s to finish (then their requests are aborted).

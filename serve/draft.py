@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from eyas.common.attention import causal_mask
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
@@ -89,8 +90,7 @@ class Drafter:
         B, T = next_tokens.shape
         device = next_tokens.device
         positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
-        attn = self.attention(self.pool, table, start, causal)
+        attn = self.attention(self.pool, table, start, causal_mask(T, device).expand(B, T, T))
         embeds = self.target.embed_tokens(next_tokens)
         features = self.head.project_target(TargetOutput(hidden=target_hidden, aux=aux))
         out = self.head.step(embeds, features, positions, attn)  # [B, T, H]

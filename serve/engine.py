@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eyas.common.attention import causal_mask
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
@@ -104,8 +105,18 @@ class Request:
 
     @property
     def prefill_target(self) -> int:
-        """Positions to prefill: the whole prompt, or (after a preemption) all but the pending root."""
-        return len(self.prompt) if not self.output else len(self.tokens) - 1
+        """Positions to prefill: the whole prompt, or (after a preemption) all but the pending root.
+        (Read every step: arithmetic, not `tokens`, which copies the whole sequence.)"""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
+    def content(self) -> list[int]:
+        """The output without the stop token that ended it: what a reader of the answer gets."""
+        return self.output[:-1] if self.output and self.output[-1] in self.stop_ids else self.output
+
+    @property
+    def last_token(self) -> int:
+        return (self.output or self.prompt)[-1]
 
     def take_new_tokens(self) -> list[int]:
         new = self.output[self.emitted :]
@@ -150,7 +161,7 @@ class Engine:
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
         # Graphs need fixed shapes: every block table is as wide as the longest request can need.
-        self.table_width = -(-self.context_limit // bs) if self.graphs.enabled else None
+        self.table_width = self._blocks_for(self.context_limit) if self.graphs.enabled else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -286,7 +297,7 @@ class Engine:
     def _prefill(self, requests: list[Request]) -> None:
         """One chunk of each request's prompt in one target pass: rows padded to the longest chunk (the padding
         queries' k/v land past each row's cached positions, or in the scratch block, and are rewritten later)."""
-        device, bs = self.device, self.pool.block_size
+        device = self.device
         starts = [r.cached for r in requests]
         chunk = self.config.max_prefill_tokens
         ends = [min(r.prefill_target, s + chunk) for r, s in zip(requests, starts, strict=True)]
@@ -296,10 +307,11 @@ class Engine:
                                                                                    strict=True)], device=device)
         prefix = torch.tensor(starts, device=device)
         # Wide enough for every padded position (past a row's blocks: the scratch block).
-        width = max(self.table_width or 0, -(-(max(starts) + T) // bs))
+        width = max(self.table_width or 0, self._blocks_for(max(starts) + T))
         table = self.pool.block_table([r.blocks for r in requests], device, width)
         out = self.target(tokens, prefix[:, None] + torch.arange(T, device=device),
-                          self.attention(self.pool, table, prefix, _causal(B, T, device)), aux_layers=self.aux_layers)
+                          self.attention(self.pool, table, prefix, causal_mask(T, device).expand(B, T, T)),
+                          aux_layers=self.aux_layers)
         for r, e in zip(requests, ends, strict=True):
             r.cached = e
         # The first token of a fresh request comes from its prompt's last position.
@@ -326,8 +338,9 @@ class Engine:
         valid = torch.ones_like(tokens, dtype=torch.bool)
         if all(r.params.greedy for r in requests):
             return verify_greedy(tokens, parents, logits, valid)
+        generators = [r.generator for r in requests]  # None throughout: one draw from the shared generator
         return verify_sampling(tokens, parents, logits, valid, [r.params for r in requests],
-                               [r.generator for r in requests])
+                               None if all(g is None for g in generators) else generators)
 
     @torch.no_grad()
     def _decode(self, requests: list[Request]) -> None:
@@ -337,7 +350,7 @@ class Engine:
         shape = setting_for(self.tree_by_batch, B) if self.speculative else None
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
         n, roots = torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
-                                 [r.tokens[-1] for r in requests] + [0] * pad]).to(device)
+                                 [r.last_token for r in requests] + [0] * pad]).to(device)
         table = self._block_table(requests, pad)
         with self._phase("draft"):
             if shape is not None:
@@ -427,11 +440,6 @@ class Engine:
         else:
             tokens = self.config.cpu_kv_tokens
         return max(tokens // self.config.block_size, 1)
-
-
-def _causal(B: int, T: int, device: torch.device) -> Tensor:
-    """[B, T, T] causal window mask (a prefill chunk, a draft extension)."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:

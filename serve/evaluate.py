@@ -42,7 +42,7 @@ from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import Conversation
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
-from .attention import add_engine_arguments
+from .attention import add_engine_arguments, engine_options
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -113,7 +113,6 @@ class Answer:
     text: str
     new_tokens: int
     accepted: list[int]  # per verification, the draft tokens it accepted
-    seconds: float
 
 
 # Answers a group of conversations (each ending with a user turn) concurrently; None: no room left.
@@ -125,7 +124,6 @@ def engine_answerer(engine: Engine, tokenizer, params: SamplingParams, max_new_t
     stops = set(stop_token_ids(tokenizer))
 
     def answer(group: list[Conversation]) -> list[Answer | None]:
-        start = time.perf_counter()
         requests = []
         for messages in group:
             ids = render_chat(tokenizer, messages)
@@ -133,14 +131,8 @@ def engine_answerer(engine: Engine, tokenizer, params: SamplingParams, max_new_t
             requests.append(engine.add_request(ids, params, budget, stops) if budget > 0 else None)
         while engine.has_work():
             engine.step()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        share = (time.perf_counter() - start) / len(group)  # the group's wall time, split evenly
-        return [
-            None if r is None else
-            Answer(tokenizer.decode([t for t in r.output if t not in stops]).strip(), len(r.output), r.accepted, share)
-            for r in requests
-        ]
+        return [None if r is None else Answer(tokenizer.decode(r.content).strip(), len(r.output), r.accepted)
+                for r in requests]
 
     return answer
 
@@ -160,16 +152,11 @@ def endpoint_answerer(base_url: str, model: str, params: SamplingParams, max_new
             raise RuntimeError(f"{base_url}: HTTP {response.status_code}: {response.text[:500]}")
         data = response.json()
         accepted = (data.get("eyas") or {}).get("accepted_per_step") or []
-        return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"],
-                      accepted, 0.0)
+        return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"], accepted)
 
     def answer(group: list[Conversation]) -> list[Answer]:
-        start = time.perf_counter()
         with ThreadPoolExecutor(len(group)) as pool:
-            answers = list(pool.map(one, group))
-        for a in answers:
-            a.seconds = (time.perf_counter() - start) / len(group)
-        return answers
+            return list(pool.map(one, group))
 
     return answer
 
@@ -188,11 +175,13 @@ def run_questions(answer: Answerer, questions: list[list[str]], desc: str, concu
                 group = active[start : start + concurrency]
                 for i in group:
                     messages[i].append({"role": "user", "content": questions[i][turn]})
-                for i, reply in zip(group, answer([messages[i] for i in group]), strict=True):
+                start_time = time.perf_counter()
+                replies = answer([messages[i] for i in group])  # the engine's last step returns its tokens to the host
+                result.seconds += time.perf_counter() - start_time
+                for i, reply in zip(group, replies, strict=True):
                     if reply is None:
                         alive.discard(i)
                         continue
-                    result.seconds += reply.seconds
                     result.new_tokens[i] += reply.new_tokens
                     result.accepted[i] += reply.accepted
                     result.answers[i].append(reply.text)
@@ -313,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
         settings["tree"] = asdict(shape)
         config = EngineConfig(tree=shape, max_batch_size=args.concurrency, mem_fraction=args.mem_fraction,
-                              attention=args.attention, cuda_graphs=not args.disable_cuda_graph)
+                              **engine_options(args))
         answer_on = engine_answerer(Engine(target, head, config), tokenizer, params, args.max_new_tokens)
         answer_off = None if args.no_baseline else engine_answerer(
             Engine(target, None, replace(config, speculative=False)), tokenizer, params, args.max_new_tokens)

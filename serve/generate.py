@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from eyas.common.attention import causal_mask
 from eyas.common.target import TargetModel
 
 from .attention.torch_sdpa import TorchPagedAttention
@@ -36,8 +37,8 @@ def greedy_tokens(
     for _ in range(max_new_tokens):
         end = start + len(new)
         positions = torch.arange(start, end, device=device)
-        causal = torch.ones(1, len(new), len(new), dtype=torch.bool, device=device).tril()
-        attn = TorchPagedAttention(pool, table, torch.tensor([start], device=device), causal)
+        prefix = torch.tensor([start], device=device)
+        attn = TorchPagedAttention(pool, table, prefix, causal_mask(len(new), device)[None])
         hidden = model(new[None], positions[None], attn).hidden[0, -1]
         token = int(model.logits(hidden).argmax())
         yield token

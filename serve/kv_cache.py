@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -60,10 +61,10 @@ class KVPool:
         """Each row's blocks (in position order) -> [B + padding_rows, W] int32, W the longest row's block count
         or `width` if that is more. Entries past a row's blocks are `scratch_block` (never read: past its
         lengths); so are padding rows."""
-        width = max(width or 0, max(map(len, rows)))
-        table = torch.full((len(rows) + padding_rows, width), self.scratch_block, dtype=torch.int32)
-        # Built on the host from the rows' own blocks (a padded Python list of the full width costs ~1 ms at 8B's
-        # 8192-block tables), then sent in one copy. A boolean mask fills in row-major order: row by row.
-        filled = torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]  # [B, width]
+        longest = max(map(len, rows))
+        table = torch.full((len(rows) + padding_rows, longest), self.scratch_block, dtype=torch.int32)
+        # Built on the host as wide as the longest row and sent in one copy, then widened on the device (graphs
+        # take full-width tables: 8192 columns at 8B's context). A boolean mask fills in row-major order.
+        filled = torch.arange(longest) < torch.tensor([len(r) for r in rows])[:, None]  # [B, longest]
         table[: len(rows)][filled] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
-        return table.to(device)
+        return F.pad(table.to(device), (0, max(width or 0, longest) - longest), value=self.scratch_block)

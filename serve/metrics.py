@@ -48,8 +48,8 @@ class Metrics:
         self.verify_steps.inc(len(finish.accepted))
         for m in finish.accepted:
             self.acceptance.observe(m + 1)
-            for position in range(1, m + 1):
-                self.accepted_at.labels(str(position)).inc()
+        for position in range(1, max(finish.accepted, default=0) + 1):  # one counter update per depth
+            self.accepted_at.labels(str(position)).inc(sum(m >= position for m in finish.accepted))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

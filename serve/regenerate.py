@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eyas.common.assets import ASSETS, asset_path, resolve_target
+from eyas.common.assets import resolve_asset, resolve_target
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import Conversation, read_conversations
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
-from .attention import add_engine_arguments
+from .attention import add_engine_arguments, engine_options
 from .engine import Engine, EngineConfig, Request
 from .sampling import SamplingParams
 
@@ -78,8 +78,7 @@ class EngineReplier(Replier):
             finished = [r for r in self.pending if r.finished]
             if finished:
                 self.pending = [r for r in self.pending if not r.finished]
-                done += [(r, self.tokenizer.decode([t for t in r.output if t not in self.stops]).strip())
-                         for r in finished]
+                done += [(r, self.tokenizer.decode(r.content).strip()) for r in finished]
         return done
 
 
@@ -170,7 +169,7 @@ def regenerate_file(data: str | Path, output: Path, replier: Replier, batch_size
     """Regenerates the conversations of `data` (a file or packaged data set name) into `output` (JSONL,
     appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
     the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
-    path = asset_path(str(data)) if str(data) in ASSETS else Path(data)
+    path = resolve_asset(data)
     done = set()
     if output.exists():
         for line in output.read_text().splitlines():
@@ -227,8 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         path = resolve_target(args.target)
         dtype = default_dtype(args.device)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-        config = EngineConfig(speculative=False, max_batch_size=args.batch_size, attention=args.attention,
-                              cuda_graphs=not args.disable_cuda_graph)
+        config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
         engine = Engine(target, None, config)
         replier = EngineReplier(engine, load_tokenizer(path), params, args.max_new_tokens, args.max_prompt_tokens)
     n = regenerate_file(args.data, args.output, replier, args.batch_size, args.limit, args.shard)

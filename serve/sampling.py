@@ -81,7 +81,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samplin
         probs = torch.zeros_like(ps).scatter_(-1, order, ps / ps.sum(-1, keepdim=True))
     else:
         probs = x.softmax(-1)
-    if greedy.any():
+    if any(p.greedy for p in plist):  # known on the host: no device sync
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs

@@ -74,7 +74,7 @@ def _settle(future: asyncio.Future, error: Exception | None) -> None:
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: Metrics | None = None):
         self.engine = engine
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # the app's /metrics renders these
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[Request, Stream] = {}
         self._errors: dict[Request, str] = {}
@@ -154,8 +154,7 @@ class EngineWorker:
                 stream.call(_settle, added, e)
                 return
             self._live[stream.request] = stream
-            if self.metrics:
-                self.metrics.prompt_tokens.inc(len(stream.request.prompt))
+            self.metrics.prompt_tokens.inc(len(stream.request.prompt))
             stream.call(_settle, added, None)
         elif kind == "abort":
             if stream.request is not None and not stream.request.finished:
@@ -175,13 +174,10 @@ class EngineWorker:
             new = request.take_new_tokens()
             if new:
                 stream.put(new)
-                if self.metrics:
-                    self.metrics.generation_tokens.inc(len(new))
+                self.metrics.generation_tokens.inc(len(new))
             if request.finished:
                 del self._live[request]
                 finish = Finish(request.finish_reason, list(request.accepted), self._errors.pop(request, None))
                 stream.put(finish)
-                if self.metrics:
-                    self.metrics.observe_finish(finish)
-        if self.metrics:
-            self.metrics.observe_engine(self.engine)
+                self.metrics.observe_finish(finish)
+        self.metrics.observe_engine(self.engine)

@@ -11,7 +11,6 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 from torch import Tensor
 
@@ -34,10 +33,7 @@ class Batches(Sequence):
         return len(self.groups)
 
     def __getitem__(self, i: int) -> Batch:
-        batch = collate_hidden_states([self.rows[j] for j in self.groups[i]])
-        pad = -batch["input_ids"].shape[1] % self.pad_multiple
-        # Pad dim 1 (T) of [B, T] and [B, T, X] alike; padding is masked out of attention and loss.
-        return {k: F.pad(v, (0, 0) * (v.dim() - 2) + (0, pad)) for k, v in batch.items()}
+        return collate_hidden_states([self.rows[j] for j in self.groups[i]], self.pad_multiple)
 
 
 def synthetic_rows(cfg: SyntheticData, vocab_size: int) -> Dataset:

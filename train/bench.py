@@ -21,14 +21,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from eyas.common.architectures import ARCHITECTURES
+from eyas.common.architectures import architecture_config
 from eyas.common.assets import resolve_target
 from eyas.common.checkpoint import target_config
-from eyas.common.config import TargetConfig
-from eyas.common.eagle3 import Eagle3Config
 
 from .config import load_recipe
-from .trainer import train
+from .trainer import head_config, train
 
 
 def flops_per_token(target_cfg, head_cfg, seq_len: int, steps: int) -> float:
@@ -61,12 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     if synthetic is None:
         parser.error("the benchmark needs a recipe with synthetic rows of fixed length")
     if recipe.model.random_arch is not None:
-        target_cfg = TargetConfig.from_hf(ARCHITECTURES[recipe.model.random_arch], source=recipe.model.random_arch)
+        target_cfg = architecture_config(recipe.model.random_arch)
     elif recipe.model.target is not None:
         target_cfg = target_config(resolve_target(recipe.model.target))
     else:
         parser.error("the benchmark needs model.random_arch or model.target")
-    head_cfg = Eagle3Config.for_target(target_cfg, min(recipe.model.draft_vocab_size, target_cfg.vocab_size))
+    head_cfg = head_config(recipe.model, target_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         output = args.output or Path(tmp)
         train(recipe, output)

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from datasets import Dataset
 
-from eyas.common.assets import ASSETS, asset_path, resolve_target
+from eyas.common.assets import resolve_asset, resolve_target
 from eyas.common.hot_vocab import HotVocab
 from eyas.data.dataset import build_dataset
 from eyas.data.hidden_states import HiddenStateDataset
@@ -41,16 +40,6 @@ class TrainData:
     hot: HotVocab
 
 
-def resolve_data(spec: str) -> Path:
-    """A conversation file given as a path or as the name of a packaged data set (`sharegpt`)."""
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
-    if spec in ASSETS:
-        return asset_path(spec)
-    raise FileNotFoundError(f"data '{spec}' is neither an existing file nor a packaged data set ({sorted(ASSETS)})")
-
-
 def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     """The recipe's rows, columns `input_ids` and `loss_mask` (int lists): `data.path` in the chat template of
     `data.tokenizer` (default: the target's), at most `data.max_conversations` of them, or `data.synthetic`.
@@ -63,7 +52,7 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     source = cfg.tokenizer or recipe.model.target
     if source is None:
         raise ValueError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
-    rows = build_dataset(resolve_data(cfg.path), load_tokenizer(resolve_target(source)), cfg, max_bytes=cfg.max_bytes)
+    rows = build_dataset(resolve_asset(cfg.path), load_tokenizer(resolve_target(source)), cfg, max_bytes=cfg.max_bytes)
     if cfg.max_conversations is not None:
         rows = rows.select(range(min(cfg.max_conversations, len(rows))))
     return rows

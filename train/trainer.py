@@ -47,7 +47,7 @@ from eyas.common.config import TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import export_speculators, save_eagle3
 from eyas.common.hot_vocab import HotVocab
-from eyas.common.target import TargetModel
+from eyas.common.target import TargetModel, default_dtype
 from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
 
 from . import checkpoint
@@ -57,7 +57,7 @@ from .data import TrainData, load_data, load_rows
 from .metrics import MetricsLog
 from .optim import build_optimizer, deepspeed_config
 from .target import load_target, target_states
-from .ttt import TTTOutput, ttt_loss
+from .ttt import TTTOutput, acceptance_length, ttt_loss
 
 
 class TTTModule(nn.Module):
@@ -130,8 +130,7 @@ def _verifier_architectures(cfg: ModelConfig) -> list[str]:
 
 
 def _dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.precision) or default_dtype(device)
 
 
 def _prepare_data(recipe: TrainRecipe, target: TargetModel, aux_layers: tuple[int, ...], rank: int) -> TrainData:
@@ -152,7 +151,7 @@ def _summary(totals: Tensor, steps: int, micro_batches: int) -> dict:
     """totals = [Σ loss, correct per unroll step [k], counted per unroll step [k]] summed over micro-batches."""
     acc = (totals[1 : 1 + steps] / totals[1 + steps :].clamp(min=1)).tolist()
     return {"loss": float(totals[0]) / max(micro_batches, 1), "acc": acc,
-            "tau": 1 + float(np.cumprod(acc).sum()),  # ttt.acceptance_length over all of them
+            "tau": float(acceptance_length(torch.tensor(acc))),
             "tokens": int(totals[1 + steps])}
 
 
@@ -241,8 +240,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
         for _ in range(recipe.optim.grad_accum):
             position, batch = next(stream)
             position += 1
+            seen += int(batch["attention_mask"].sum())  # on the host copy: no wait for the device
             batch = {k: v.to(device) for k, v in batch.items()}
-            seen += int(batch["attention_mask"].sum())
             aux, logits = target_states(target, batch, aux_layers)
             out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
             engine.backward(out.loss)

@@ -32,6 +32,11 @@ def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
 
 
+def engine_options(args) -> dict:
+    """The EngineConfig fields `add_engine_arguments`' options set."""
+    return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph}
+
+
 def add_engine_arguments(parser) -> None:
     """The engine options every serving command shares: `--attention` and `--disable-cuda-graph`."""
     parser.add_argument("--attention", choices=BACKENDS, default="auto",

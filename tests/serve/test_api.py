@@ -60,7 +60,7 @@ class Server:
         config = EngineConfig(speculative=speculative, tree=TreeShape(3, 2, 5), block_size=16, num_blocks=num_blocks)
         self.metrics = Metrics()
         self.worker = EngineWorker(Engine(target, head, config), self.metrics)
-        self.app = create_app(self.worker, tokenizer(), MODEL, self.metrics)
+        self.app = create_app(self.worker, tokenizer(), MODEL)
         self.num_blocks = num_blocks
 
     def __enter__(self) -> Server:
