@@ -5,10 +5,11 @@
     bench-eagle ... --autotune autotune.json        # the fastest setting per batch size, read by serve-eagle
 
 For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over
-the same prompts and reports: τ (tokens per verification, bonus included), the mean decode step split
-into draft / verify / accept (KV moves, draft extension, bookkeeping), output tokens/s, and the speedup
-over speculation off at the same batch size. With random weights τ is meaningless (the draft guesses
-at random); step costs are what such a run measures.
+the same prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus
+included), the mean decode step split into draft / verify / accept (KV moves, draft extension,
+bookkeeping), output tokens/s over the whole run (prefill included), and the speedup over speculation off
+at the same batch size. `--compare-hf` times Hugging Face `generate` on the batch-1 prompts. With random
+weights τ is meaningless (the draft guesses at random); step costs are what such a run measures.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from eyas.data.tokenizer import load_tokenizer, render_chat
 
 from .attention import add_engine_arguments, engine_options
 from .autotune import format_setting, parse_setting, write_autotune
+from .cuda_graphs import BATCH_BUCKETS
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .evaluate import load_questions
@@ -82,30 +84,38 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
 
 
 def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **engine) -> Result:
-    """`engine`: further EngineConfig fields (attention, cuda_graphs)."""
+    """Generates for every prompt, `batch_size` at a time: tokens/s (prefill included) and τ from that run,
+    unsynchronised; the step split from the first batch run again with each phase timed.
+    `engine`: further EngineConfig fields."""
     block_size = 16
-    longest = max(len(p) for p in prompts[:batch_size]) + max_new_tokens + 128  # + the largest tree's scratch
-    config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), profile=True,
-                          max_batch_size=batch_size, block_size=block_size,
-                          num_blocks=batch_size * -(-longest // block_size), **engine)
+    longest = max(len(p) for p in prompts) + max_new_tokens + 128  # + the largest tree's scratch
+    config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
+                          block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **engine)
     engine = Engine(target, head if shape else None, config)
-    engine.generate(prompts[:batch_size], SamplingParams(temperature=0), 4)  # warm-up
-    engine.timings.clear()
-    engine.decode_steps = 0
+    greedy = SamplingParams(temperature=0)
+    for bucket in [b for b in BATCH_BUCKETS if b < batch_size] + [batch_size]:  # capture every graph before timing
+        engine.generate(prompts[:bucket], greedy, 4)
     cuda = engine.device.type == "cuda"
     if cuda:
+        torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
-    requests = engine.generate(prompts[:batch_size], SamplingParams(temperature=0), max_new_tokens)
-    t = engine.timings
-    steps = max(engine.decode_steps, 1)
-    decode_s = t["draft"] + t["verify"] + t["accept"]
-    generated = sum(len(r.output) - 1 for r in requests)  # the first token comes from the prefill
-    verifications = sum(len(r.accepted) for r in requests) or steps * batch_size
-    tau = generated / verifications if shape else 1.0
+    start = time.perf_counter()
+    requests = [r for i in range(0, len(prompts), batch_size)
+                for r in engine.generate(prompts[i:i + batch_size], greedy, max_new_tokens)]
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+    seconds = time.perf_counter() - start
+    generated = sum(len(r.output) for r in requests)
+    tau = (generated - len(requests)) / sum(len(r.accepted) for r in requests) if shape else 1.0  # less prefill tokens
+
+    engine.profile, engine.decode_steps = True, 0
+    engine.generate(prompts[:batch_size], greedy, max_new_tokens)
+    t, steps = engine.timings, max(engine.decode_steps, 1)
     return Result(
         batch_size, format_setting(shape), tau,
-        1e3 * decode_s / steps, 1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
-        generated / decode_s, torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
+        1e3 * (t["draft"] + t["verify"] + t["accept"]) / steps,
+        1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
+        generated / seconds, torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
     )
 
 
@@ -172,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--num-prompts", type=int, default=1,
+                        help="prompts per batch size, run --batch-size at a time (at least the batch size; "
+                        "Hugging Face runs as many at batch 1)")
     parser.add_argument("--trees", type=parse_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         path = resolve_target(args.target)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
         head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
-    n = max(args.batch_sizes)
+    n = max(args.num_prompts, *args.batch_sizes)
     if args.prompts in PROMPT_SETS:
         if args.random_weights:
             parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
@@ -205,13 +218,14 @@ def main(argv: list[str] | None = None) -> None:
         prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
 
     engine = engine_options(args)
-    run_setting(target, head, None, prompts, 8, 1, **engine)  # process-wide warm-up (kernel selection, allocator)
+    run_setting(target, head, None, prompts[:1], 8, 1, **engine)  # process-wide warm-up (kernel selection, allocator)
     results: list[Result] = []
     for bs in args.batch_sizes:
-        base = run_setting(target, head, None, prompts, args.output_len, bs, **engine)
+        batch_prompts = prompts[:max(bs, args.num_prompts)]
+        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, **engine)
         results.append(base)
         for shape in args.trees:
-            r = run_setting(target, head, shape, prompts, args.output_len, bs, **engine)
+            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, **engine)
             r.speedup = r.tokens_per_s / base.tokens_per_s
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)
@@ -229,10 +243,11 @@ def main(argv: list[str] | None = None) -> None:
         ratio = f"; speculation off at batch 1: {off.step_ms:.2f} ms ({off.step_ms / floor:.2f}x)" if off else ""
         print(f"weight-streaming floor (linear layers alone, CUDA graph): {floor:.2f} ms{ratio}")
     if args.compare_hf and not args.random_weights:
-        hf = hf_tokens_per_s(path, prompts[:4], args.output_len, args.device, dtype)
-        best = max(r.tokens_per_s for r in results if r.batch_size == 1)
-        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s; eyas best at batch 1: {best:.1f} tok/s "
-              f"({best / hf:.2f}x)")
+        hf = hf_tokens_per_s(path, prompts[:args.num_prompts], args.output_len, args.device, dtype)
+        at_1 = [r for r in results if r.batch_size == 1]
+        best = f"; eyas best at batch 1 on the same prompts: {max(r.tokens_per_s for r in at_1):.1f} tok/s " \
+               f"({max(r.tokens_per_s for r in at_1) / hf:.2f}x)" if at_1 else ""
+        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s{best}")
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
     if args.autotune:

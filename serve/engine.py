@@ -165,13 +165,15 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        # With `profile`: seconds per phase (prefill, draft, verify, accept) and the decode step count.
+        # While `profile` (from the config; a benchmark may switch it): seconds per phase (prefill, draft,
+        # verify, accept) and the decode step count.
+        self.profile = self.config.profile
         self.timings: defaultdict[str, float] = defaultdict(float)
         self.decode_steps = 0
 
     @contextmanager
     def _phase(self, name: str):
-        if not self.config.profile:
+        if not self.profile:
             yield
             return
         if self.device.type == "cuda":

@@ -10,9 +10,9 @@ from eyas.serve.draft import TreeShape
 
 
 def test_bench_tiny_random(tmp_path, capsys):
-    main(["--random-weights", "--arch", "tiny", "--input-len", "32", "--output-len", "12", "--batch-sizes", "1", "2",
-          "--trees", "3,1,4", "2,2,4", "--device", "cpu", "--autotune", str(tmp_path / "autotune.json"),
-          "--json", str(tmp_path / "results.json")])
+    main(["--random-weights", "--arch", "tiny", "--input-len", "32", "--output-len", "12",
+          "--batch-sizes", "1", "2", "--num-prompts", "3", "--trees", "3,1,4", "2,2,4", "--device", "cpu",
+          "--autotune", str(tmp_path / "autotune.json"), "--json", str(tmp_path / "results.json")])
     table = capsys.readouterr().out
     assert "speedup" in table and table.count("\n") == 7  # header + 2 batch sizes x 3 settings
     results = json.loads((tmp_path / "results.json").read_text())
