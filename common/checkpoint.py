@@ -30,14 +30,18 @@ def load_strict(
     dtype: torch.dtype | None,
     device: torch.device | str,
     ignore: tuple[str, ...] = (),
+    only: Collection[str] | None = None,
 ) -> None:
     """Loads `tensors` into `module` (built on meta) by exact name and shape, assigning storage.
 
     A missing, unexpected or misshaped tensor raises a `CheckpointError` naming it. `ignore` lists
-    names that may be present and are dropped. Floating tensors are cast to `dtype` (None: kept);
-    integer and bool tensors (vocabulary maps) keep theirs.
+    names that may be present and are dropped. `only` loads just those of the module's tensors, the others
+    staying as they are (on meta). Floating tensors are cast to `dtype` (None: kept); integer and bool
+    tensors (vocabulary maps) keep theirs.
     """
     expected = module.state_dict()
+    if only is not None:
+        expected = {name: expected[name] for name in only}
     problems = []
     for name in sorted(set(tensors) - set(expected) - set(ignore)):
         problems.append(f"unexpected tensor '{name}' {tuple(tensors[name].shape)}")
@@ -59,7 +63,7 @@ def load_strict(
         t = tensors[name]
         cast = dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
         state[name] = t.to(device=device, dtype=cast)
-    module.load_state_dict(state, strict=True, assign=True)
+    module.load_state_dict(state, strict=only is None, assign=True)
 
 
 def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[str, Tensor]:

@@ -5,7 +5,8 @@
 
 Both steps go through `datasets`' cache (`cache_dir`, default ~/.cache/huggingface/datasets), so a second
 run with the same file, tokenizer and config loads Arrow files instead of re-reading and re-tokenizing:
-  - the conversations: `Dataset.from_generator`, keyed on the path, size and mtime of the file and the format;
+  - the conversations: `Dataset.from_generator`, keyed on the path, size and mtime of the file, the format and
+    max_bytes;
   - the tokens: `map`, keyed on that dataset's fingerprint and a hash of the tokenizer and max_length.
 Skipped records are reported (logged) when the file is read, so only on the first run.
 """
@@ -22,7 +23,7 @@ from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
 from eyas.data.conversations import FORMATS, ConversationError, ReadReport, read_conversations
-from eyas.data.loss_mask import TemplateMismatch, mask_tokens, render_with_spans
+from eyas.data.loss_mask import TemplateMismatch, render_with_spans, tokenize_rendered
 from eyas.data.tokenizer import end_of_turn_id
 
 logger = logging.getLogger(__name__)
@@ -37,16 +38,19 @@ class DataConfig:
     format: str | None = None  # one of conversations.FORMATS; None recognises each record by its keys
     num_proc: int | None = None  # processes for tokenizing; None tokenizes in this process
     cache_dir: str | None = None  # datasets' cache; None is its default
+    max_bytes: int | None = None  # read only the file's first bytes (a quick subset of a large file)
 
     def __post_init__(self):
         if self.max_length < 1:
             raise ValueError(f"max_length must be positive, got {self.max_length}")
         if self.format is not None and self.format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS} or None, got {self.format!r}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive or None, got {self.max_bytes}")
 
 
-def load_conversations(path: str | Path, config: DataConfig | None = None, max_bytes: int | None = None) -> Dataset:
-    """The file's conversations as a Dataset with one column, `messages`; `max_bytes` reads only the
+def load_conversations(path: str | Path, config: DataConfig | None = None) -> Dataset:
+    """The file's conversations as a Dataset with one column, `messages`; `config.max_bytes` reads only the
     file's start (see `read_conversations`)."""
     config = config or DataConfig()
     path = Path(path).resolve()
@@ -60,7 +64,7 @@ def load_conversations(path: str | Path, config: DataConfig | None = None, max_b
             gen_kwargs={
                 "path": str(path),
                 "format": config.format,
-                "max_bytes": max_bytes,
+                "max_bytes": config.max_bytes,
                 "stamp": f"{stat.st_size}-{stat.st_mtime_ns}",
             },
         )
@@ -70,17 +74,12 @@ def load_conversations(path: str | Path, config: DataConfig | None = None, max_b
         raise
 
 
-def build_dataset(
-    path: str | Path,
-    tokenizer: PreTrainedTokenizerBase,
-    config: DataConfig | None = None,
-    max_bytes: int | None = None,
-) -> Dataset:
+def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: DataConfig | None = None) -> Dataset:
     """Columns `input_ids` and `loss_mask` (int lists of equal length <= max_length), one row per
     conversation that has at least one loss token (conversations whose assistant part was cut off by
     max_length, or whose template rewrites assistant content, are dropped and logged)."""
     config = config or DataConfig()
-    conversations = load_conversations(path, config, max_bytes)
+    conversations = load_conversations(path, config)
     ds = conversations.map(
         _tokenize_batch,
         batched=True,
@@ -110,24 +109,14 @@ def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
 def _tokenize_batch(
     batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int
 ) -> dict[str, list]:
-    texts, spans = [], []
+    rendered = []
     for messages in batch["messages"]:
         try:
-            text, s = render_with_spans(tokenizer, messages)
+            rendered.append(render_with_spans(tokenizer, messages))
         except TemplateMismatch as e:
             logger.warning(f"skipping a conversation: {e}")
-            continue
-        texts.append(text)
-        spans.append(s)
-    # One call for the whole batch: the Rust tokenizer spreads it over threads.
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    out = {"input_ids": [], "loss_mask": []}
-    for text, s, ids, offsets in zip(texts, spans, enc.input_ids, enc.offset_mapping, strict=True):
-        mask = mask_tokens(text, ids, offsets, s, end_of_turn)[:max_length]
-        if any(mask):
-            out["input_ids"].append(ids[:max_length])
-            out["loss_mask"].append(mask)
-    return out
+    rows = [row for row in tokenize_rendered(tokenizer, rendered, end_of_turn, max_length) if any(row["loss_mask"])]
+    return {"input_ids": [row["input_ids"] for row in rows], "loss_mask": [row["loss_mask"] for row in rows]}
 
 
 def collate(rows: list[dict], pad_id: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:

@@ -77,6 +77,26 @@ def mask_tokens(
     return mask
 
 
+def tokenize_rendered(
+    tokenizer: PreTrainedTokenizerBase,
+    rendered: list[tuple[str, list[tuple[int, int]]]],
+    end_of_turn: int | None,
+    max_length: int | None = None,
+) -> list[dict[str, list[int]]]:
+    """{"input_ids", "loss_mask"} of each `render_with_spans` result, cut to the first `max_length` tokens.
+
+    One tokenizer call for the whole list: the Rust tokenizer spreads it over threads (`datasets.map` passes
+    batches of 1000). No added special tokens: the template writes BOS and the turn markers itself.
+    """
+    if not rendered:  # the tokenizer fails on an empty batch (every conversation of a `map` batch skipped)
+        return []
+    enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        {"input_ids": ids[:max_length], "loss_mask": mask_tokens(text, ids, offsets, spans, end_of_turn)[:max_length]}
+        for (text, spans), ids, offsets in zip(rendered, enc.input_ids, enc.offset_mapping, strict=True)
+    ]
+
+
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
@@ -89,8 +109,4 @@ def tokenize_conversation(
     the template. Special-token text inside a message (a literal "<|im_end|>") is read as that special
     token, as the tokenizer does at serving time.
     """
-    text, spans = render_with_spans(tokenizer, messages)
-    # No added special tokens: the template writes BOS and the turn markers itself.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = mask_tokens(text, enc.input_ids, enc.offset_mapping, spans, end_of_turn)
-    return {"input_ids": enc.input_ids[:max_length], "loss_mask": mask[:max_length]}
+    return tokenize_rendered(tokenizer, [render_with_spans(tokenizer, messages)], end_of_turn, max_length)[0]

@@ -88,7 +88,8 @@ class _Generation(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = Field(None, description="up to 4 non-empty stop strings")
+    # `_stop_strings` turns every form, the default None included, into a list of strings.
+    stop: str | list[str] | None = Field(None, validate_default=True, description="up to 4 non-empty stop strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="only 1 is supported")
@@ -102,15 +103,11 @@ class _Generation(_Strict):
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        strings = [stop] if isinstance(stop, str) else stop or []
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        strings = [stop] if isinstance(stop, str) else list(stop or [])
         if len(strings) > 4 or not all(strings):
             raise ValueError("stop takes at most 4 non-empty strings")
-        return stop
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return strings
 
     @property
     def new_tokens(self) -> int | None:
@@ -256,7 +253,7 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
             raise APIError(400, f"{prompt_field}: {e}", param=prompt_field) from None
         except ShuttingDown as e:
             raise APIError(503, str(e), "service_unavailable") from None
-        return Generation(worker, stream, TextStream(tokenizer, body.stop_strings), stop_ids)
+        return Generation(worker, stream, TextStream(tokenizer, body.stop), stop_ids)
 
     async def respond(request: Request, body: _Generation, prompt: list[int], gen: Generation, chat: bool):
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")

@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 
 from eyas.common.architectures import ARCHITECTURES, random_target
-from eyas.common.assets import asset_path, resolve_target
+from eyas.common.assets import asset_path
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
-from eyas.common.head_checkpoint import load_draft_head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import read_conversations
-from eyas.data.tokenizer import load_tokenizer, render_chat
+from eyas.data.tokenizer import render_chat
 
 from .attention import add_engine_arguments, engine_options
 from .autotune import format_setting, parse_setting, write_autotune
+from .commands import load_models
 from .cuda_graphs import BATCH_BUCKETS
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
@@ -202,14 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not (args.target and args.draft):
             parser.error("give --target and --draft, or --random-weights")
-        path = resolve_target(args.target)
-        target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-        head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
+        target, head, tokenizer, path = load_models(args.target, args.draft, args.token_map, args.device, dtype)
     n = max(args.num_prompts, *args.batch_sizes)
     if args.prompts in PROMPT_SETS:
         if args.random_weights:
             parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
-        prompts = chat_prompts(args.prompts, load_tokenizer(path), n, args.input_len)
+        prompts = chat_prompts(args.prompts, tokenizer, n, args.input_len)
     elif args.prompts:
         prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line]
         prompts = (prompts * n)[:n]

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from eyas.common.assets import DEFAULT_TARGET, resolve_target
-from eyas.common.target import TargetModel, default_dtype
-from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
+from eyas.common.assets import DEFAULT_TARGET
+from eyas.data.tokenizer import render_chat, stop_token_ids
 
+from .commands import load_models
 from .generate import greedy_tokens
 
 
@@ -32,11 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_new_tokens <= 0:
         parser.error("--max-new-tokens must be positive")
 
-    path = resolve_target(args.target)
     started = time.perf_counter()
-    dtype = default_dtype(args.device)
-    model = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-    tokenizer = load_tokenizer(path)
+    model, _, tokenizer, path = load_models(args.target, device=args.device)
     print(f"[loaded {path.name} in {time.perf_counter() - started:.1f}s on {args.device}]", file=sys.stderr)
 
     messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -21,13 +21,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from eyas.common.assets import DEFAULT_TARGET, resolve_target
-from eyas.common.head_checkpoint import load_draft_head
-from eyas.common.target import TargetModel, default_dtype
-from eyas.data.tokenizer import load_tokenizer
+from eyas.common.assets import DEFAULT_TARGET
 
 from .attention import add_engine_arguments, engine_options
 from .autotune import read_autotune
+from .commands import add_tree_arguments, load_models, tree_shape
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
@@ -61,7 +59,6 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    default_tree = TreeShape()
     parser = argparse.ArgumentParser(prog="serve-eagle", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,10 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token-map", type=Path, help="FR-Spec token map (freq_N.pt) for an EAGLE-1/2 head")
     parser.add_argument("--speculative", choices=["on", "off"], default="on",
                         help="off: serve the target alone, one token per step (no head needed)")
-    parser.add_argument("--num-steps", type=int, default=default_tree.num_steps, help="draft tree depth")
-    parser.add_argument("--topk", type=int, default=default_tree.topk, help="draft tree branching")
-    parser.add_argument("--num-draft-tokens", type=int, default=default_tree.num_draft_tokens,
-                        help="tree nodes verified per step, root included")
+    add_tree_arguments(parser, TreeShape())
     parser.add_argument("--autotune", type=Path,
                         help="per-batch-size settings written by `bench-eagle --autotune FILE` (they replace the tree "
                              "flags): each decode step uses the setting measured fastest at its batch size")
@@ -96,8 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if known.recipe:
         argv = recipe_arguments(known.recipe, parser) + argv
     args = parser.parse_args(argv)
+    args.tree = tree_shape(parser, args)
     try:
-        args.tree = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
         args.tree_by_batch = read_autotune(args.autotune) if args.autotune else ()
     except ValueError as e:
         parser.error(str(e))
@@ -126,12 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(args.device)
-    path = resolve_target(args.target)
-    target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-    head = None
-    if args.speculative == "on":
-        head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
+    target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
+                                                args.token_map, args.device, DTYPES.get(args.dtype))
     config = EngineConfig(speculative=head is not None, tree=args.tree, tree_by_batch=args.tree_by_batch,
                           mem_fraction=args.mem_fraction,
                           max_batch_size=args.max_batch_size, **engine_options(args))
@@ -139,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     # Tokens a verification can yield: the deepest tree's steps plus the bonus token.
     metrics = Metrics(max_accept=1 + max([0] + [t.num_steps for t in engine.trees]))
     name = args.model_name or model_name(args.target, path)
-    app = create_app(EngineWorker(engine, metrics), load_tokenizer(path), name)
+    app = create_app(EngineWorker(engine, metrics), tokenizer, name)
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")
           + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     # On Ctrl-C: new connections are refused, open ones get 30 s to finish (then their requests are aborted).

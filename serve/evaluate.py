@@ -6,11 +6,11 @@
 
 In-process: every question runs with speculation on (the given tree) and, in the same run, off, so the
 speedup is measured, not assumed. Against a running `serve-eagle` (`--endpoint URL`), acceptance comes from
-each response's `eyas` field; give `--endpoint-off URL` (the same target with `--speculative off`) for the
-speedup. MT-bench runs both turns; the second turn follows the model's own first
-answer. No system message is added (the chat template's default applies), as in training. `--concurrency N`
-answers N questions of a turn together: τ is the same (a faster way to measure it), tokens/s becomes
-throughput at that concurrency.
+each response's `eyas` field (give the server's `--num-steps`: it sizes the per-position statistics); give
+`--endpoint-off URL` (the same target with `--speculative off`) for the speedup. MT-bench runs both turns;
+the second turn follows the model's own first answer. No system message is added (the chat template's
+default applies), as in training. `--concurrency N` answers N questions of a turn together: τ is the same
+(a faster way to measure it), tokens/s becomes throughput at that concurrency.
 
 Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
   τ              tokens per verification, bonus token included: mean over all verifications of (accepted + 1)
@@ -28,21 +28,18 @@ import gzip
 import json
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from eyas.common.assets import asset_path, resolve_target
-from eyas.common.head_checkpoint import load_draft_head
-from eyas.common.target import TargetModel, default_dtype
+from eyas.common.assets import asset_path
 from eyas.data.conversations import Conversation
-from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
 from .attention import add_engine_arguments, engine_options
+from .clients import Client, EndpointClient, EngineClient
+from .commands import add_tree_arguments, load_models, tree_shape
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -108,60 +105,7 @@ class RunResult:
         return sum(self.new_tokens) / self.seconds
 
 
-@dataclass
-class Answer:
-    text: str
-    new_tokens: int
-    accepted: list[int]  # per verification, the draft tokens it accepted
-
-
-# Answers a group of conversations (each ending with a user turn) concurrently; None: no room left.
-Answerer = Callable[[list[Conversation]], list[Answer | None]]
-
-
-def engine_answerer(engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int) -> Answerer:
-    """In-process: the group runs as one continuous batch (a group of one is the latency setting)."""
-    stops = set(stop_token_ids(tokenizer))
-
-    def answer(group: list[Conversation]) -> list[Answer | None]:
-        requests = []
-        for messages in group:
-            ids = render_chat(tokenizer, messages)
-            budget = min(max_new_tokens, engine.room(len(ids)))
-            requests.append(engine.add_request(ids, params, budget, stops) if budget > 0 else None)
-        while engine.has_work():
-            engine.step()
-        return [None if r is None else Answer(tokenizer.decode(r.content).strip(), len(r.output), r.accepted)
-                for r in requests]
-
-    return answer
-
-
-def endpoint_answerer(base_url: str, model: str, params: SamplingParams, max_new_tokens: int) -> Answerer:
-    """Through a running `serve-eagle` (its responses' `eyas.accepted_per_step`), one concurrent request per
-    conversation; any OpenAI-compatible server gives the texts and tokens/s, without acceptance statistics."""
-    import httpx
-
-    client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
-
-    def one(messages: Conversation) -> Answer:
-        body = {"model": model, "messages": messages, "max_tokens": max_new_tokens,
-                "temperature": params.temperature, "top_p": params.top_p}
-        response = client.post("/chat/completions", json=body)
-        if response.status_code != 200:
-            raise RuntimeError(f"{base_url}: HTTP {response.status_code}: {response.text[:500]}")
-        data = response.json()
-        accepted = (data.get("eyas") or {}).get("accepted_per_step") or []
-        return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"], accepted)
-
-    def answer(group: list[Conversation]) -> list[Answer]:
-        with ThreadPoolExecutor(len(group)) as pool:
-            return list(pool.map(one, group))
-
-    return answer
-
-
-def run_questions(answer: Answerer, questions: list[list[str]], desc: str, concurrency: int = 1) -> RunResult:
+def run_questions(client: Client, questions: list[list[str]], desc: str, concurrency: int = 1) -> RunResult:
     """Answers every question turn by turn (a later turn follows the model's own earlier answers), the
     questions of a turn in groups of `concurrency` answered together."""
     n = len(questions)
@@ -176,7 +120,8 @@ def run_questions(answer: Answerer, questions: list[list[str]], desc: str, concu
                 for i in group:
                     messages[i].append({"role": "user", "content": questions[i][turn]})
                 start_time = time.perf_counter()
-                replies = answer([messages[i] for i in group])  # the engine's last step returns its tokens to the host
+                # No synchronisation needed to time it: the engine's last step returns its tokens to the host.
+                replies = client.answer([messages[i] for i in group])
                 result.seconds += time.perf_counter() - start_time
                 for i, reply in zip(group, replies, strict=True):
                     if reply is None:
@@ -232,11 +177,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def evaluate(questions, answer_on: Answerer, answer_off: Answerer | None, depth: int, bench: str,
+def evaluate(questions, client_on: Client, client_off: Client | None, depth: int, bench: str,
              settings: dict, concurrency: int = 1) -> tuple[dict, Acceptance]:
     """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps."""
-    spec = run_questions(answer_on, questions, "speculation on", concurrency)
-    base = run_questions(answer_off, questions, "speculation off", concurrency) if answer_off else None
+    spec = run_questions(client_on, questions, "speculation on", concurrency)
+    base = run_questions(client_off, questions, "speculation off", concurrency) if client_off else None
     stats = acceptance_stats([a for q in spec.accepted for a in q], depth)
     report = {
         "bench": bench,
@@ -265,9 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default", help="the model name sent to the endpoints")
     parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
     parser.add_argument("--limit", type=int, help="only the first N questions")
-    parser.add_argument("--num-steps", type=int, default=7, help="tree depth (with --endpoint: the server's)")
-    parser.add_argument("--topk", type=int, default=1)
-    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    add_tree_arguments(parser, TreeShape(7, 1, 8))
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=1,
@@ -283,30 +226,26 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --target and --draft (in-process), or --endpoint")
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
 
     questions = load_questions(args.bench)[: args.limit]
     params = SamplingParams(temperature=args.temperature)
     settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
                 "concurrency": args.concurrency}
     if args.endpoint:
-        answer_on = endpoint_answerer(args.endpoint, args.model, params, args.max_new_tokens)
-        answer_off = endpoint_answerer(args.endpoint_off, args.model, params, args.max_new_tokens) \
+        client_on = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
+        client_off = EndpointClient(args.endpoint_off, args.model, params, args.max_new_tokens) \
             if args.endpoint_off and not args.no_baseline else None
         settings["endpoint"] = args.endpoint
     else:
-        path = resolve_target(args.target)
-        dtype = default_dtype(args.device)
-        target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-        head = load_draft_head(args.draft, target, token_map=args.token_map, dtype=dtype, device=args.device)
-        tokenizer = load_tokenizer(path)
-        shape = TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
-        settings["tree"] = asdict(shape)
-        config = EngineConfig(tree=shape, max_batch_size=args.concurrency, mem_fraction=args.mem_fraction,
+        target, head, tokenizer, _ = load_models(args.target, args.draft, args.token_map, args.device)
+        settings["tree"] = asdict(tree)
+        config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=args.mem_fraction,
                               **engine_options(args))
-        answer_on = engine_answerer(Engine(target, head, config), tokenizer, params, args.max_new_tokens)
-        answer_off = None if args.no_baseline else engine_answerer(
+        client_on = EngineClient(Engine(target, head, config), tokenizer, params, args.max_new_tokens)
+        client_off = None if args.no_baseline else EngineClient(
             Engine(target, None, replace(config, speculative=False)), tokenizer, params, args.max_new_tokens)
-    report, stats = evaluate(questions, answer_on, answer_off, args.num_steps, args.bench, settings,
+    report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
                              args.concurrency)
     write_report(args.output, report, stats)
     print((args.output / "report.md").read_text())

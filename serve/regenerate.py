@@ -11,102 +11,29 @@ the next one (no turn waits for the others). Replies come from eyas's engine in-
 batching) or from any OpenAI-compatible endpoint (concurrent requests). The output is OpenAI `messages`
 JSONL, one line per conversation with its index in the input (`{"index": i, "messages": [...]}`), in the
 order conversations finish; a rerun skips the indices already written, so an interrupted run resumes.
+Ctrl-C (or `timeout -s INT`) stops it with exit code 130 and every finished conversation written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from itertools import islice
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from eyas.common.assets import resolve_asset, resolve_target
-from eyas.common.target import TargetModel, default_dtype
+from eyas.common.assets import resolve_asset
 from eyas.data.conversations import Conversation, read_conversations
-from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 
 from .attention import add_engine_arguments, engine_options
-from .engine import Engine, EngineConfig, Request
+from .clients import Client, EndpointClient, EngineClient
+from .commands import load_models
+from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
-
-
-class Replier:
-    """Answers prompts (conversations ending with a user turn) asynchronously: `submit` returns a handle,
-    `collect` waits until at least one submitted prompt is answered and returns the answered (handle, text)
-    pairs. An empty text ends its conversation."""
-
-    def submit(self, prompt: Conversation) -> object:
-        raise NotImplementedError
-
-    def collect(self) -> list[tuple[object, str]]:
-        raise NotImplementedError
-
-
-class EngineReplier(Replier):
-    """In-process: every pending prompt is a request of one engine, decoded in one continuous batch. A prompt
-    longer than `max_prompt_tokens` (past what training keeps) or the context gets an empty reply."""
-
-    def __init__(self, engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int,
-                 max_prompt_tokens: int | None = None):
-        self.engine, self.tokenizer, self.params = engine, tokenizer, params
-        self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
-        self.stops = set(stop_token_ids(tokenizer))
-        self.pending: list[Request] = []
-        self.refused: list[object] = []  # handles answered "" without running
-
-    def submit(self, prompt: Conversation) -> object:
-        ids = render_chat(self.tokenizer, prompt)
-        budget = min(self.max_new_tokens, self.engine.room(len(ids)))
-        if budget <= 0 or (self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens):
-            handle = object()
-            self.refused.append(handle)
-            return handle
-        request = self.engine.add_request(ids, self.params, budget, self.stops)
-        self.pending.append(request)
-        return request
-
-    def collect(self) -> list[tuple[object, str]]:
-        done = [(handle, "") for handle in self.refused]
-        self.refused = []
-        while not done and self.pending:
-            self.engine.step()
-            finished = [r for r in self.pending if r.finished]
-            if finished:
-                self.pending = [r for r in self.pending if not r.finished]
-                done += [(r, self.tokenizer.decode(r.content).strip()) for r in finished]
-        return done
-
-
-class EndpointReplier(Replier):
-    """Through any OpenAI-compatible endpoint, one HTTP request per pending prompt."""
-
-    def __init__(self, base_url: str, model: str, params: SamplingParams, max_new_tokens: int, concurrency: int):
-        import httpx
-
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
-        self.body = {"model": model, "max_tokens": max_new_tokens, "temperature": params.temperature,
-                     "top_p": params.top_p}
-        self.pool = ThreadPoolExecutor(concurrency)
-        self.pending: set[Future] = set()
-
-    def _one(self, prompt: Conversation) -> str:
-        response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
-        response.raise_for_status()
-        return response.json()["choices"][0]["message"]["content"].strip()
-
-    def submit(self, prompt: Conversation) -> object:
-        future = self.pool.submit(self._one, prompt)
-        self.pending.add(future)
-        return future
-
-    def collect(self) -> list[tuple[object, str]]:
-        done, self.pending = wait(self.pending, return_when=FIRST_COMPLETED)
-        return [(future, future.result()) for future in done]
 
 
 class Rewrite:
@@ -137,9 +64,10 @@ class Rewrite:
         return self.out[:-1] if self.out and self.out[-1]["role"] != "assistant" else self.out
 
 
-def regenerate(conversations: Iterable[tuple[int, Conversation]], replier: Replier, in_flight: int
+def regenerate(conversations: Iterable[tuple[int, Conversation]], client: Client, in_flight: int
                ) -> Iterator[tuple[int, Conversation]]:
-    """Yields (index, rewritten conversation) as each finishes, keeping `in_flight` conversations pending."""
+    """Yields (index, rewritten conversation) as each finishes, keeping `in_flight` conversations pending.
+    A refused prompt ends its conversation."""
     source = iter(conversations)
     active: dict[object, tuple[int, Rewrite]] = {}
     finished: list[tuple[int, Conversation]] = []
@@ -149,7 +77,7 @@ def regenerate(conversations: Iterable[tuple[int, Conversation]], replier: Repli
         if prompt is None:
             finished.append((index, rewrite.result()))
         else:
-            active[replier.submit(prompt)] = (index, rewrite)
+            active[client.submit(prompt)] = (index, rewrite)
 
     while True:
         while len(active) < in_flight and (item := next(source, None)) is not None:
@@ -158,34 +86,40 @@ def regenerate(conversations: Iterable[tuple[int, Conversation]], replier: Repli
         finished.clear()
         if not active:
             return
-        for handle, text in replier.collect():
+        for handle, reply in client.collect():
             index, rewrite = active.pop(handle)
-            rewrite.answer(text)
+            rewrite.answer(reply.text if reply else "")
             advance(index, rewrite)
 
 
-def regenerate_file(data: str | Path, output: Path, replier: Replier, batch_size: int = 64,
-                    limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
-    """Regenerates the conversations of `data` (a file or packaged data set name) into `output` (JSONL,
-    appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
-    the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
-    path = resolve_asset(data)
+def written_indices(output: Path) -> set[int]:
+    """The indices of the conversations already in `output`."""
     done = set()
     if output.exists():
         for line in output.read_text().splitlines():
             try:
                 done.add(json.loads(line)["index"])
             except (json.JSONDecodeError, KeyError):
-                break  # a line cut by an interruption: everything before it stands
+                break  # a line cut by a kill: everything before it stands
+    return done
+
+
+def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: int = 64,
+                    limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
+    """Regenerates the conversations of `data` (a file or packaged data set name) into `output` (JSONL,
+    appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
+    the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
+    path = resolve_asset(data)
+    done = written_indices(output)
     i_shard, n_shards = shard
     pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit))
                if i % n_shards == i_shard and i not in done)
     written = 0
     with open(output, "a") as f, tqdm(desc="regenerating", unit="conv", initial=len(done), total=limit) as bar:
-        for index, messages in regenerate(pending, replier, batch_size):
+        for index, messages in regenerate(pending, client, batch_size):
             if any(m["role"] == "assistant" for m in messages):
                 f.write(json.dumps({"index": index, "messages": messages}) + "\n")
-                f.flush()
+                f.flush()  # a whole line on disk per conversation: an interrupted run resumes from here
                 written += 1
             bar.update(1)
     return written
@@ -220,16 +154,19 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=args.temperature)
     if (args.target is None) == (args.endpoint is None):
         parser.error("give exactly one of --target (in-process) and --endpoint")
-    if args.endpoint:
-        replier = EndpointReplier(args.endpoint, args.model, params, args.max_new_tokens, args.batch_size)
-    else:
-        path = resolve_target(args.target)
-        dtype = default_dtype(args.device)
-        target = TargetModel.from_pretrained(path, dtype=dtype, device=args.device)
-        config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
-        engine = Engine(target, None, config)
-        replier = EngineReplier(engine, load_tokenizer(path), params, args.max_new_tokens, args.max_prompt_tokens)
-    n = regenerate_file(args.data, args.output, replier, args.batch_size, args.limit, args.shard)
+    try:
+        if args.endpoint:
+            client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
+        else:
+            target, _, tokenizer, _ = load_models(args.target, device=args.device)
+            config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
+            client = EngineClient(Engine(target, None, config), tokenizer, params, args.max_new_tokens,
+                                  args.max_prompt_tokens)
+        n = regenerate_file(args.data, args.output, client, args.batch_size, args.limit, args.shard)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGINT from `timeout -s INT`: every line written is whole and flushed
+        print(f"interrupted: {len(written_indices(args.output))} conversations written to {args.output}; "
+              "rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
     print(f"wrote {n} conversations to {args.output}")
 
 

@@ -21,6 +21,8 @@ import argparse
 
 import torch.distributed as dist
 
+from eyas.common.config import ConfigError
+
 from .config import load_recipe
 from .trainer import dump, train
 
@@ -41,11 +43,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.dump_hidden_states and args.output is None:
         parser.error("--output is required (except with --dump-hidden-states)")
-    recipe = load_recipe(args.recipe, args.overrides)
-    if args.dump_hidden_states:
-        dump(recipe)
-    else:
-        train(recipe, args.output)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.dump_hidden_states:
+            dump(recipe)
+        else:
+            train(recipe, args.output)
+    except ConfigError as err:  # a bad recipe or config.json: its message names the key; a traceback adds nothing
+        parser.error(str(err))
     if dist.is_initialized():
         dist.destroy_process_group()
 

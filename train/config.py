@@ -76,7 +76,8 @@ class SyntheticData:
 @dataclass
 class DataConfig(dataset.DataConfig):
     """Conversations (a file, or a packaged data set such as `sharegpt`) or synthetic rows. The inherited
-    fields (max_length, format, num_proc, cache_dir) say how `eyas.data.dataset.build_dataset` tokenizes.
+    fields (max_length, format, num_proc, cache_dir, max_bytes) say how `eyas.data.dataset.build_dataset` reads
+    and tokenizes the file.
 
     With `hidden_states` (offline training), `train-eagle --dump-hidden-states` runs the whole target once over
     these rows and writes its hidden states there; training then reads them, row for row, instead of running
@@ -86,8 +87,7 @@ class DataConfig(dataset.DataConfig):
     synthetic: SyntheticData | None = None
     hidden_states: str | None = None  # offline: a directory of dumped hidden states (eyas.data.hidden_states)
     tokenizer: str | None = None  # a target path or packaged model name; None: the target's (needed for random_target)
-    max_bytes: int | None = None  # read only the file's first bytes (a quick subset of a large file)
-    max_conversations: int | None = None  # then keep at most this many rows (after tokenizing)
+    max_conversations: int | None = None  # keep at most this many rows (the first, after tokenizing)
     eval_fraction: float = 0.0  # rows held out for evaluation (a seeded random choice)
     batch_size: int = 1  # rows per micro-batch, grouped by similar length
     bucket: int = 32  # length-sort windows of `bucket` micro-batches each, to keep padding low

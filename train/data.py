@@ -52,7 +52,7 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     source = cfg.tokenizer or recipe.model.target
     if source is None:
         raise ValueError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
-    rows = build_dataset(resolve_asset(cfg.path), load_tokenizer(resolve_target(source)), cfg, max_bytes=cfg.max_bytes)
+    rows = build_dataset(resolve_asset(cfg.path), load_tokenizer(resolve_target(source)), cfg)
     if cfg.max_conversations is not None:
         rows = rows.select(range(min(cfg.max_conversations, len(rows))))
     return rows

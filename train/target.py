@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from eyas.common.architectures import random_target
 from eyas.common.assets import resolve_target
 from eyas.common.attention import CausalAttention, MaskedAttention
-from eyas.common.checkpoint import read_target_tensors, target_config
+from eyas.common.checkpoint import load_strict, read_target_tensors, target_config
 from eyas.common.config import TargetConfig
 from eyas.common.target import TargetModel
 
@@ -51,9 +51,7 @@ def load_target_ends(path: Path, dtype: torch.dtype, device: torch.device) -> Ta
                                                                   ["lm_head.weight"])
     with torch.device("meta"):
         target = TargetModel(config)
-    tensors = read_target_tensors(path, names)
-    target.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, strict=False,
-                           assign=True)
+    load_strict(target, read_target_tensors(path, names), source=str(path), dtype=dtype, device=device, only=names)
     return target
 
 

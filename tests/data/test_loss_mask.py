@@ -110,3 +110,22 @@ def test_a_file_with_no_usable_conversation_names_the_cause(smollm2_tokenizer, t
     config = DataConfig(format="sharegpt", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ConversationError, match=r"no usable conversation \(format 'sharegpt' forced.*line 1"):
         build_dataset(path, smollm2_tokenizer, config)
+
+
+def test_max_bytes_reads_the_start_of_the_file(smollm2_tokenizer, tmp_path):
+    path = tmp_path / "chats.jsonl"
+    lines = [json.dumps({"messages": chat}) + "\n" for chat in (CHAT, CHAT[1:3])]
+    path.write_text("".join(lines))
+    cache = str(tmp_path / "cache")
+    assert len(build_dataset(path, smollm2_tokenizer, DataConfig(max_bytes=len(lines[0]) + 10, cache_dir=cache))) == 1
+    assert len(build_dataset(path, smollm2_tokenizer, DataConfig(cache_dir=cache))) == 2  # the cache keys on it
+
+
+def test_conversations_that_the_template_rewrites_are_dropped(smollm2_tokenizer, tmp_path):
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | replace('.', '!') }}<|im_end|>\n{% endfor %}"
+    )
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (CHAT, CHAT[1:3])))
+    assert len(build_dataset(path, tok, DataConfig(cache_dir=str(tmp_path / "cache")))) == 0  # both contain "."

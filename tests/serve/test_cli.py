@@ -34,3 +34,9 @@ def test_autotune_file_is_read_and_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--recipe", "smollm2-135m", "--autotune", str(path)])
     assert "entry 'one'" in capsys.readouterr().err
+
+
+def test_impossible_tree_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--recipe", "smollm2-135m", "--topk", "2", "--num-draft-tokens", "99"])
+    assert stopped.value.code == 2 and "--num-draft-tokens 99" in capsys.readouterr().err

@@ -28,6 +28,16 @@ def test_packaged_benchmarks_load():
     assert len(load_questions("humaneval")) == 164
 
 
+@pytest.mark.parametrize("tree, flag", [(["--num-steps", "3"], "--num-draft-tokens 8"),  # a chain of 3 holds 4
+                                        (["--topk", "0"], "--topk 0")])
+def test_eval_eagle_rejects_an_impossible_tree(tree, flag, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "unused", "--draft", "unused", *tree])  # a usage error, before any loading
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: eval-eagle" in err and flag in err
+
+
 def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     """A tiny random target over SmolLM2's vocabulary (its real tokenizer and template) and a random head."""
     make_hf_model("llama", vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64,
@@ -57,6 +67,8 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     for name in ("report.md", "acceptance.png", "tau.png"):
         assert (tmp_path / "eval" / name).stat().st_size > 0
     assert "speedup" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="no-head"):  # the missing file is named
+        main([*args, "--draft", str(tmp_path / "no-head"), "--output", str(tmp_path / "missing")])
 
 
 def test_eval_eagle_against_running_servers(tmp_path):

@@ -2,35 +2,39 @@
 
 import json
 
+import pytest
+
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import render_chat, stop_token_ids
+from eyas.serve import regenerate as regenerate_module
+from eyas.serve.clients import Answer, Client, EngineClient
 from eyas.serve.engine import Engine, EngineConfig
 from eyas.serve.generate import greedy_tokens
-from eyas.serve.regenerate import EngineReplier, Replier, regenerate, regenerate_file
+from eyas.serve.regenerate import regenerate, regenerate_file
 from eyas.serve.sampling import SamplingParams
 from tests.conftest import make_hf_model
 
 
-class EchoReplier(Replier):
-    """Answers "<messages seen>:<last user text>" (or `answer(prompt)`); `collect` returns the oldest pending
+class EchoClient(Client):
+    """Answers "<messages seen>:<last user text>" (or `reply(prompt)`); `collect` returns the oldest pending
     prompt only, so conversations finish out of step. Records each prompt's length in `calls`."""
 
-    def __init__(self, calls, answer=None):
+    def __init__(self, calls, reply=None):
         self.calls, self.pending = calls, []
-        self.answer = answer or (lambda p: f"{len(p)}:{p[-1]['content']}")
+        self.reply = reply or (lambda p: f"{len(p)}:{p[-1]['content']}")
 
     def submit(self, prompt):
         self.calls.append(len(prompt))
         handle = object()
-        self.pending.append((handle, self.answer(prompt)))
+        self.pending.append((handle, Answer(self.reply(prompt), 1, [])))
         return handle
 
     def collect(self):
         return [self.pending.pop(0)]
 
 
-def echo_replier(calls):
-    return EchoReplier(calls)
+def echo_client(calls):
+    return EchoClient(calls)
 
 
 def conv(*texts):
@@ -40,7 +44,7 @@ def conv(*texts):
 def test_turns_are_rewritten_in_order_and_conversations_refill():
     calls = []
     convs = [conv("a", "old", "b", "old"), conv("c", "old"), conv("d", "old")]
-    out = list(regenerate(enumerate(convs), echo_replier(calls), in_flight=2))
+    out = list(regenerate(enumerate(convs), echo_client(calls), in_flight=2))
     # a's first reply comes back first: a asks for its second turn at once, c's reply then finishes c,
     # whose place goes to d.
     assert out == [(1, conv("c", "1:c")), (0, conv("a", "1:a", "b", "3:b")), (2, conv("d", "1:d"))]
@@ -48,21 +52,21 @@ def test_turns_are_rewritten_in_order_and_conversations_refill():
 
 
 def test_empty_reply_ends_the_conversation():
-    replier = EchoReplier([], answer=lambda p: "" if len(p) > 1 else "ok")
-    assert list(regenerate([(0, conv("a", "x", "b", "y"))], replier, in_flight=4)) == [(0, conv("a", "ok"))]
+    client = EchoClient([], reply=lambda p: "" if len(p) > 1 else "ok")
+    assert list(regenerate([(0, conv("a", "x", "b", "y"))], client, in_flight=4)) == [(0, conv("a", "ok"))]
 
 
 def test_file_resumes_after_interruption(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(5)))
     out = tmp_path / "out.jsonl"
-    assert regenerate_file(data, out, echo_replier([]), batch_size=2, limit=3) == 3
+    assert regenerate_file(data, out, echo_client([]), batch_size=2, limit=3) == 3
     with open(out, "a") as f:
         f.write('{"index": 3, "mess')  # a line cut by a kill
     lines = out.read_text().splitlines()[:3]
     out.write_text("".join(line + "\n" for line in lines))
     calls = []
-    assert regenerate_file(data, out, echo_replier(calls), batch_size=2) == 2
+    assert regenerate_file(data, out, echo_client(calls), batch_size=2) == 2
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4] and calls == [1, 1]  # only the two left ran
     assert rows[4]["messages"] == conv("q4", "1:q4")
@@ -74,12 +78,37 @@ def test_shards_split_the_conversations(tmp_path):
     indices = []
     for i in range(2):
         out = tmp_path / f"shard{i}.jsonl"
-        regenerate_file(data, out, echo_replier([]), batch_size=2, shard=(i, 2))
+        regenerate_file(data, out, echo_client([]), batch_size=2, shard=(i, 2))
         indices.append([json.loads(line)["index"] for line in out.read_text().splitlines()])
     assert indices == [[0, 2, 4], [1, 3]]
 
 
-def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
+def test_interrupt_stops_cleanly_and_resumes(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt) mid-run: exit code 130, one line naming what was written; a rerun resumes."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(5)))
+    out = tmp_path / "out.jsonl"
+
+    class Interrupted(EchoClient):
+        def collect(self):
+            if len(self.calls) > 3:  # after two conversations are written
+                raise KeyboardInterrupt
+            return super().collect()
+
+    command = ["--data", str(data), "--output", str(out), "--endpoint", "http://unused", "--batch-size", "2"]
+    monkeypatch.setattr(regenerate_module, "EndpointClient", lambda *args: Interrupted([]))
+    with pytest.raises(SystemExit) as stopped:
+        regenerate_module.main(command)
+    assert stopped.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"interrupted: 2 conversations written to {out}; rerun the same command to resume"
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1]
+    monkeypatch.setattr(regenerate_module, "EndpointClient", lambda *args: EchoClient([]))
+    regenerate_module.main(command)
+    assert sorted(json.loads(line)["index"] for line in out.read_text().splitlines()) == [0, 1, 2, 3, 4]
+
+
+def test_engine_client_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
     tok = smollm2_tokenizer
     # A tiny random target over SmolLM2's vocabulary, so its real tokenizer and chat template apply.
     make_hf_model("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2
@@ -90,17 +119,10 @@ def test_engine_replier_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path)
     prompts = [conv("Hello there"), conv("Name a colour, then explain it at length.")]
     expected = [tok.decode([t for t in greedy_tokens(target, render_chat(tok, p), 12, stop_ids=stops)
                             if t not in stops]).strip() for p in prompts]
-    # Both pending at once, answered as they finish; a prompt past max_prompt_tokens gets "" without running.
+    # Both pending at once, answered as they finish; a prompt past max_prompt_tokens is refused without running.
     n = len(render_chat(tok, prompts[0]))
-    replier = EngineReplier(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n)
-    handles = [replier.submit(p) for p in prompts]
-    answers = {}
-    while len(answers) < 2:
-        answers.update(replier.collect())
-    assert [answers[h] for h in handles] == [expected[0], ""]
-    replier = EngineReplier(engine, tok, SamplingParams(temperature=0), 12)
-    handles = [replier.submit(p) for p in prompts]
-    answers = {}
-    while len(answers) < 2:
-        answers.update(replier.collect())
-    assert [answers[h] for h in handles] == expected
+    client = EngineClient(engine, tok, SamplingParams(temperature=0), 12, max_prompt_tokens=n)
+    first, refused = client.answer(prompts)
+    assert first.text == expected[0] and refused is None
+    client = EngineClient(engine, tok, SamplingParams(temperature=0), 12)
+    assert [a.text for a in client.answer(prompts)] == expected

@@ -2,9 +2,13 @@
 them logs the losses of training on the target's forward, loading only the target's embedding, final norm and
 lm_head; states dumped for other rows are refused."""
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from eyas.common.checkpoint import CheckpointError
 from eyas.common.target import TargetModel
 from eyas.data.hidden_states import HiddenStateDataset
 from eyas.train.config import load_recipe
@@ -23,6 +27,20 @@ def test_target_ends(hf_checkpoint):
     for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         assert torch.equal(ends.state_dict()[name], state[name]), name
     assert all(p.is_meta for p in ends.model.layers.parameters())
+
+
+def test_target_ends_refuse_a_misshaped_tensor(hf_checkpoint, tmp_path):
+    """Loaded through the strict loader: the error names the checkpoint and the tensor, not torch's copy error."""
+    path = hf_checkpoint("llama")[0]
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1].clone()  # [256, 64], the config says vocab 257
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        load_target_ends(tmp_path, torch.float32, torch.device("cpu"))
+    assert str(tmp_path) in str(err.value)
+    assert "tensor 'lm_head.weight' has shape (256, 64), expected (257, 64)" in str(err.value)
 
 
 def test_offline_training_matches_online(hf_checkpoint, tmp_path, monkeypatch):

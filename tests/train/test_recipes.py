@@ -1,9 +1,11 @@
 """Recipes: every file in recipes/ loads; unknown or mistyped keys and bad --set overrides are errors that
-name the file and the dotted key; --set values follow YAML scalar rules."""
+name the file and the dotted key (train-eagle prints them as usage errors, without a traceback); --set values
+follow YAML scalar rules."""
 
 import pytest
 
 from eyas.common.config import ConfigError
+from eyas.train.cli import main
 from eyas.train.config import RECIPES_DIR, load_recipe, parse_scalar, recipe_path
 
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
@@ -70,3 +72,18 @@ def test_bad_file_names_file_and_key(tmp_path):
 def test_unknown_recipe_name():
     with pytest.raises(FileNotFoundError, match="ci-tiny"):
         recipe_path("no-such-recipe")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.warmup_steps=100", "optim.total_steps=2"], ["optim", "warmup_steps <= total_steps"]),
+    (["optim.warmupsteps=1"], ["unknown key 'optim.warmupsteps'"]),
+])
+def test_cli_reports_a_bad_recipe_as_a_usage_error(overrides, words, capsys, tmp_path):
+    argv = ["--recipe", "ci-tiny", "--output", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv + [arg for item in overrides for arg in ("--set", item)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "train-eagle: error: " in err and "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)

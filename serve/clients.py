@@ -1,0 +1,126 @@
+"""Answering chat prompts with the engine in-process or through an OpenAI-compatible endpoint, behind one
+interface (eval-eagle and regeneration use both).
+
+    client = EngineClient(engine, tokenizer, SamplingParams(temperature=0), max_new_tokens=256)
+    client = EndpointClient("http://127.0.0.1:8000/v1", "my-model", SamplingParams(temperature=0), 256)
+    answers = client.answer([messages_a, messages_b])   # answered together: an Answer each, None if refused
+    handle = client.submit(messages_c)                  # or one by one, each collected as soon as it is answered
+    client.collect()                                    # [(handle, Answer | None), ...]
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+from eyas.data.conversations import Conversation
+from eyas.data.tokenizer import render_chat, stop_token_ids
+
+from .engine import Engine, Request
+from .sampling import SamplingParams
+
+
+@dataclass
+class Answer:
+    text: str
+    new_tokens: int
+    accepted: list[int]  # per verification, the draft tokens it accepted (empty without speculation statistics)
+
+
+class Client:
+    """Answers prompts (conversations ending with a user turn) asynchronously: `submit` returns a handle,
+    `collect` waits until at least one submitted prompt is answered and returns the answered (handle, answer)
+    pairs. An answer is None where the prompt was refused (no room left to answer it)."""
+
+    def submit(self, prompt: Conversation) -> object:
+        raise NotImplementedError
+
+    def collect(self) -> list[tuple[object, Answer | None]]:
+        raise NotImplementedError
+
+    def answer(self, prompts: list[Conversation]) -> list[Answer | None]:
+        """Answers `prompts` together (in-process: one continuous batch; a group of one is the latency setting)."""
+        handles = [self.submit(prompt) for prompt in prompts]
+        answers: dict[object, Answer | None] = {}
+        while len(answers) < len(handles):
+            answers.update(self.collect())
+        return [answers[handle] for handle in handles]
+
+
+class EngineClient(Client):
+    """In-process: every pending prompt is a request of one engine, decoded in one continuous batch. A prompt
+    that leaves no room in the context, or is longer than `max_prompt_tokens`, is refused without running."""
+
+    def __init__(self, engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int,
+                 max_prompt_tokens: int | None = None):
+        self.engine, self.tokenizer, self.params = engine, tokenizer, params
+        self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
+        self.stops = set(stop_token_ids(tokenizer))
+        self.pending: list[Request] = []
+        self.refused: list[object] = []  # handles answered None without running
+
+    def submit(self, prompt: Conversation) -> object:
+        ids = render_chat(self.tokenizer, prompt)
+        budget = min(self.max_new_tokens, self.engine.room(len(ids)))
+        if budget <= 0 or (self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens):
+            handle = object()
+            self.refused.append(handle)
+            return handle
+        request = self.engine.add_request(ids, self.params, budget, self.stops)
+        self.pending.append(request)
+        return request
+
+    def collect(self) -> list[tuple[object, Answer | None]]:
+        done: list[tuple[object, Answer | None]] = [(handle, None) for handle in self.refused]
+        self.refused = []
+        while not done and self.pending:
+            self.engine.step()
+            finished = [r for r in self.pending if r.finished]
+            if finished:
+                self.pending = [r for r in self.pending if not r.finished]
+                done += [(r, Answer(self.tokenizer.decode(r.content).strip(), len(r.output), r.accepted))
+                         for r in finished]
+        return done
+
+
+class EndpointClient(Client):
+    """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt. A running
+    `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
+    texts and token counts only."""
+
+    def __init__(self, base_url: str, model: str, params: SamplingParams, max_new_tokens: int):
+        import httpx
+
+        self.base_url = base_url
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
+        self.body = {"model": model, "max_tokens": max_new_tokens, "temperature": params.temperature,
+                     "top_p": params.top_p}
+        self.pending: set[Future] = set()
+
+    def _one(self, prompt: Conversation) -> Answer:
+        response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.base_url}: HTTP {response.status_code}: {response.text[:500]}")
+        data = response.json()
+        accepted = (data.get("eyas") or {}).get("accepted_per_step") or []
+        return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"], accepted)
+
+    def submit(self, prompt: Conversation) -> object:
+        future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._one(prompt))
+            except Exception as e:
+                future.set_exception(e)
+
+        # A daemon thread rather than a pool's: an interrupted run (Ctrl-C) exits at once instead of waiting
+        # for the replies still in flight.
+        threading.Thread(target=run, daemon=True).start()
+        self.pending.add(future)
+        return future
+
+    def collect(self) -> list[tuple[object, Answer | None]]:
+        done, self.pending = wait(self.pending, return_when=FIRST_COMPLETED)
+        return [(future, future.result()) for future in done]

@@ -1,0 +1,60 @@
+"""What the command-line tools (serve-eagle, eval-eagle, bench-eagle, regenerate, chat) share: the tree flags,
+and loading a target with its tokenizer and draft head.
+
+    add_tree_arguments(parser, TreeShape(7, 1, 8))      # --num-steps, --topk, --num-draft-tokens
+    tree = tree_shape(parser, parser.parse_args())      # an impossible tree is a usage error
+    target, head, tokenizer, path = load_models("smollm2-135m-instruct", "runs/quickstart/final", device="cuda")
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from eyas.common.assets import resolve_target
+from eyas.common.head_checkpoint import DraftHead, load_draft_head
+from eyas.common.target import TargetModel, default_dtype
+from eyas.data.tokenizer import load_tokenizer
+
+from .draft import TreeShape
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:
+    """--num-steps, --topk and --num-draft-tokens, defaulting to `default`; read them with `tree_shape`."""
+    parser.add_argument("--num-steps", type=int, default=default.num_steps, help="draft tree depth")
+    parser.add_argument("--topk", type=int, default=default.topk, help="draft tree branching")
+    parser.add_argument("--num-draft-tokens", type=int, default=default.num_draft_tokens,
+                        help="tree nodes verified per step, root included")
+
+
+def tree_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TreeShape:
+    """The tree of `add_tree_arguments`' flags; one TreeShape rejects (e.g. more draft tokens than the tree
+    holds) is a usage error naming the flags, not a traceback."""
+    try:
+        return TreeShape(args.num_steps, args.topk, args.num_draft_tokens)
+    except ValueError as e:
+        parser.error(f"invalid tree (--num-steps {args.num_steps} --topk {args.topk} "
+                     f"--num-draft-tokens {args.num_draft_tokens}): {e}")
+
+
+class Models(NamedTuple):
+    target: TargetModel
+    head: DraftHead | None
+    tokenizer: PreTrainedTokenizerBase
+    path: Path  # the target's directory or .gguf file
+
+
+def load_models(target: str | Path, draft: str | Path | None = None, token_map: str | Path | None = None,
+                device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Models:
+    """The target (a path or packaged model name), its tokenizer and, when `draft` is given, the draft head,
+    restricted by `token_map` (an FR-Spec freq_N.pt, for EAGLE-1/2 heads). `dtype` None: bf16 on CUDA, fp32
+    elsewhere. A missing target, head or token map raises FileNotFoundError naming it."""
+    path = resolve_target(target)
+    dtype = dtype or default_dtype(device)
+    model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
+    head = None if draft is None else load_draft_head(draft, model, token_map=token_map, dtype=dtype, device=device)
+    return Models(model, head, load_tokenizer(path), path)
