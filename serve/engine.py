@@ -28,6 +28,7 @@ preempts the newest request (its KV is freed and recomputed on readmission) inst
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import time
@@ -360,21 +361,35 @@ class Engine:
             else:  # plain decoding (the draft still follows: `_accept` extends it)
                 tree = root_only(roots)
         with self._phase("verify"):
-            out, logits = self._target_pass(tree, n, table)
-            accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B])
+            depth = shape.num_steps if shape else 0
+            if all(r.params.greedy for r in requests):  # target pass and verification in one graph
+                out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth)
+            else:
+                out, logits = self._target_pass(tree, n, table)
+                accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B])
+            accepted, num_accepted, bonus = accepted[:B], num_accepted[:B], bonus[:B]
         with self._phase("accept"):
             self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
 
-    def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor) -> tuple[TargetOutput, Tensor]:
-        """One target pass over every tree node -> (its output, logits [B', N, V] float). Node j's KV goes to
-        position n + j; each node sees the prefix and its ancestors."""
-        logits, hidden, *aux = self.graphs("target", self._target_forward, tree.tokens, n[:, None] + tree.depth,
-                                           table, n, tree.mask)
-        return TargetOutput(hidden=hidden, aux=aux[0] if aux else None), logits
+    def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, greedy_depth: int | None = None):
+        """One target pass over every tree node: node j's KV goes to position n + j; each node sees the prefix
+        and its ancestors. -> (its output, logits [B', N, V] float), or with `greedy_depth` (the tree's depth)
+        (its output, accepted, num_accepted, bonus) of greedy verification, run in the same graph."""
+        name = "target" if greedy_depth is None else f"target, greedy verification {greedy_depth}"
+        forward = functools.partial(self._target_forward, greedy_depth)
+        hidden, aux, *rest = self.graphs(name, forward, tree.tokens, tree.parents, n[:, None] + tree.depth,
+                                         table, n, tree.mask)
+        return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *rest)
 
-    def _target_forward(self, tokens: Tensor, positions: Tensor, table: Tensor, prefix: Tensor, mask: Tensor):
+    def _target_forward(self, greedy_depth: int | None, tokens: Tensor, parents: Tensor, positions: Tensor,
+                        table: Tensor, prefix: Tensor, mask: Tensor):
         out = self.target(tokens, positions, self.attention(self.pool, table, prefix, mask), aux_layers=self.aux_layers)
-        return (self.target.logits(out.hidden).float(), out.hidden) + (() if out.aux is None else (out.aux,))
+        logits = self.target.logits(out.hidden).float()
+        aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
+        if greedy_depth is None:
+            return out.hidden, aux, logits
+        return (out.hidden, aux) + verify_greedy(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
+                                                 greedy_depth)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, tree: DraftTree, n: Tensor, table: Tensor,
@@ -382,15 +397,10 @@ class Engine:
     ) -> None:
         """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens.
         accepted / num_accepted / bonus cover the B requests; the other tensors the B' padded rows."""
-        device, B, N, bs = self.device, len(requests), tree.tokens.shape[1], self.pool.block_size
-        # Keep the accepted path's KV: node accepted[j] moves from position n + accepted[j] to n + j.
+        device, B, N = self.device, len(requests), tree.tokens.shape[1]
         path = accepted.clamp(min=0)  # [B, N]
-        moves = (accepted > 0) & (accepted != torch.arange(N, device=device))
-        if N > 1 and moves.any():
-            src = slots_of(table[:B], n[:B, None] + path, bs)[moves]
-            dst = slots_of(table[:B], n[:B, None] + torch.arange(N, device=device), bs)[moves]
-            for k, v in zip(self.pool.k, self.pool.v, strict=True):
-                k[dst], v[dst] = k[src], v[src]
+        if shape is not None and shape.topk > 1:  # a chain's accepted path is its first nodes, already in place
+            self._keep_path_kv(path[:, : min(shape.num_steps + 1, N)], num_accepted, n[:B], table[:B])
 
         if self.drafter is not None:
             # The draft reads the target's states along the path and, at each node, the token after it.
@@ -419,6 +429,15 @@ class Engine:
                 request.draft = states[b]
                 request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
+
+    def _keep_path_kv(self, path: Tensor, num_accepted: Tensor, n: Tensor, table: Tensor) -> None:
+        """Moves the accepted path's KV into place: node path[b, j] from position n + path[b, j] to n + j.
+        path [B, T] covers the deepest path the tree allows (fixed shape, no host sync); columns past a row's
+        path, and nodes already in place, copy a slot onto itself."""
+        j = torch.arange(path.shape[1], device=path.device)
+        source = torch.where(j <= num_accepted[:, None], path, j)  # [B, T]
+        slots = (slots_of(table, n[:, None] + nodes, self.pool.block_size).flatten() for nodes in (source, j[None]))
+        self.pool.move(*slots)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""

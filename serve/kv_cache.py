@@ -34,7 +34,8 @@ class BlockAllocator:
 
 
 class KVPool:
-    """Per-layer key and value storage, [num_slots, Hkv, D] each, with its block allocator.
+    """Per-layer key and value storage, [num_slots, Hkv, D] each, with its block allocator. All layers' keys and
+    values are views of one tensor [2, L, num_slots, Hkv, D], so `move` copies slots of every layer at once.
 
     One block beyond the allocator's, `scratch_block`, belongs to no request: the padding rows of a
     CUDA-graph batch bucket write their (ignored) k/v there."""
@@ -52,9 +53,14 @@ class KVPool:
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv = torch.zeros((2, num_layers) + shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.kv[0].unbind()), list(self.kv[1].unbind())
         self.allocator = BlockAllocator(num_blocks)
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        """Every layer's key and value at slots src [n] copied to slots dst [n] (distinct): all are read before
+        any is written, so a slot may be both a source and a destination. Two kernels, no host sync."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
     def block_table(self, rows: list[list[int]], device: torch.device | str | None = None, width: int | None = None,
                     padding_rows: int = 0) -> Tensor:

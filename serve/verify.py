@@ -20,8 +20,8 @@ the root predicts 2 = node 1, node 1 predicts 7 = node 2, node 2 predicts 3 but 
 accepted [0, 1, 2, -1], num_accepted 2, bonus 3; the step emits 2, 7, 3.
 
 The loops below run over tree depth / sibling tests (at most N - 1 iterations), never over the
-vocabulary; each iteration is a handful of batched ops. A fused kernel (one thread block per request
-walking the tree, as SGLang does) would replace them.
+vocabulary; each iteration is a handful of batched ops. The greedy walk has a fixed length and no host
+reads (the engine captures it with the target pass); the sampling walk stops early, reading on the host.
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 def verify_greedy(
-    tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, node_valid: torch.Tensor
+    tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, node_valid: torch.Tensor,
+    max_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Longest root path whose every node is the target's argmax after its parent, plus the argmax
-    after its last node. Among siblings holding the same token, the first (best-ranked) is taken."""
+    after its last node. Among siblings holding the same token, the first (best-ranked) is taken.
+
+    The walk takes a fixed `max_depth` steps (the tree's depth; None: N - 1, which bounds any tree) and reads
+    nothing on the host, so it can be captured in a CUDA graph with the target pass."""
     B, N = tokens.shape
     rows = torch.arange(B, device=tokens.device)
     target = logits.argmax(-1)  # [B, N]: the target's token after each node
@@ -49,11 +53,9 @@ def verify_greedy(
     accepted[:, 0] = 0
     cur = torch.zeros(B, dtype=torch.long, device=tokens.device)  # [B] last accepted node
     num_accepted = torch.zeros_like(cur)
-    for depth in range(1, N):  # a node at depth d has index >= d, so N - 1 steps suffice
+    for depth in range(1, min(N, (N - 1 if max_depth is None else max_depth) + 1)):
         nxt = _first_true(matches & (parents == cur[:, None]))  # [B], -1 where no child matches
         found = nxt >= 0
-        if not found.any():  # host sync; a kernel would not need it
-            break
         accepted[:, depth] = nxt  # rows that stopped earlier keep finding nothing: -1
         cur = torch.where(found, nxt, cur)
         num_accepted += found
