@@ -1,26 +1,28 @@
-"""Training data: the recipe's rows (a conversation file tokenized by `eyas.data`, cached, or synthetic rows) -> a
-held-out split, the draft vocabulary and length-bucketed micro-batches, read from the rows themselves or, offline,
-from the target's hidden states dumped for them.
+"""Training data: the recipe's rows (the conversations of `data.path`'s sources, each tokenized by `eyas.data` and
+cached, or synthetic rows) -> a held-out split, the draft vocabulary and length-bucketed micro-batches, read from
+the rows themselves or, offline, from the target's hidden states dumped for them.
 
     rows = load_rows(recipe, vocab_size=49152)
     data = load_data(recipe.data, rows, vocab_size=49152, draft_vocab_size=8192, seed=0)
     data.train[i]   # micro-batch i: {"input_ids", "loss_mask", "attention_mask"} [B, T] int64 (batches.Batches)
     data.eval       # the held-out rows, batched the same way
-    data.hot        # the draft vocabulary: the most frequent assistant tokens of the training rows
+    data.hot        # the draft vocabulary: the most frequent assistant tokens of the training rows (repeats count)
 
-The row order is a seeded shuffle; windows of `bucket` micro-batches are sorted by length before they are cut
-into micro-batches (less padding), and the micro-batches are shuffled again. The same seed gives the same
-batches, so a resumed run continues exactly where the interrupted one stopped. Synthetic rows are batched in
-order, all of them for training. Offline (`states`), the same micro-batches are collated from the dumped rows,
-which carry the target's states besides the tokens.
+The rows hold each conversation once (so does an offline dump); a source's `repeat` applies after the held-out
+split, to the training rows. The row order is a seeded shuffle; windows of `bucket` micro-batches are sorted by
+length before they are cut into micro-batches (less padding), and the micro-batches are shuffled again. The same
+seed and sources (with their repeats) give the same batches, so a resumed run continues exactly where the
+interrupted one stopped. Synthetic rows are batched in order, all of them for training. Offline (`states`), the
+same micro-batches are collated from the dumped rows, which carry the target's states besides the tokens.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from eyas.common.assets import resolve_asset, resolve_target
 from eyas.common.hot_vocab import HotVocab
@@ -30,7 +32,9 @@ from eyas.data.tokenizer import load_tokenizer
 from eyas.data.vocab import draft_vocab, token_counts
 
 from .batches import Batches, synthetic_rows
-from .config import DataConfig, TrainRecipe
+from .config import DataConfig, Source, TrainRecipe
+
+SOURCE = "source"  # load_rows' column: the row's source, an index into `data.sources()`
 
 
 @dataclass
@@ -41,21 +45,39 @@ class TrainData:
 
 
 def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
-    """The recipe's rows, columns `input_ids` and `loss_mask` (int lists): `data.path` in the chat template of
-    `data.tokenizer` (default: the target's), at most `data.max_conversations` of them, or `data.synthetic`.
+    """The recipe's rows, columns `input_ids` and `loss_mask` (int lists): the conversations of `data.path`'s
+    sources, each once, in order (column `source`: the index of the row's source), in the chat template of
+    `data.tokenizer` (default: the target's), at most `data.max_conversations` of them; or `data.synthetic`.
     What training batches and what `train-eagle --dump-hidden-states` runs the target over, row i for row i."""
     cfg = recipe.data
     if cfg.synthetic is not None:
         return synthetic_rows(cfg.synthetic, vocab_size)
     if cfg.path is None:
         raise ValueError("no training data: set data.path or data.synthetic in the recipe")
-    source = cfg.tokenizer or recipe.model.target
-    if source is None:
+    tokenizer_source = cfg.tokenizer or recipe.model.target
+    if tokenizer_source is None:
         raise ValueError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
-    rows = build_dataset(resolve_asset(cfg.path), load_tokenizer(resolve_target(source)), cfg)
+    sources = cfg.sources()
+    paths = [_resolve(s) for s in sources]  # all of them before tokenizing any: a typo fails at once
+    for i, path in enumerate(paths):
+        if path in paths[:i]:  # its copies could then land in both the training and the held-out rows
+            first = sources[paths.index(path)].key
+            raise ValueError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
+    tokenizer = load_tokenizer(resolve_target(tokenizer_source))
+    # Each source is tokenized and cached on its own (keyed on its file), so changing the mix reuses every cache;
+    # repeats are not materialized here but applied to the training split (load_data).
+    parts = [build_dataset(path, tokenizer, cfg) for path in paths]
+    rows = concatenate_datasets([part.add_column(SOURCE, [k] * len(part)) for k, part in enumerate(parts)])
     if cfg.max_conversations is not None:
         rows = rows.select(range(min(cfg.max_conversations, len(rows))))
     return rows
+
+
+def _resolve(source: Source) -> Path:
+    try:
+        return resolve_asset(source.path).resolve()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{source.key}: {e}") from None
 
 
 def length_groups(lengths: list[int], batch_size: int, bucket: int, rng: random.Random) -> list[list[int]]:
@@ -83,12 +105,13 @@ def load_data(
                              "the dump (rerun train-eagle --dump-hidden-states: it resumes)")
         raise ValueError(f"{states.path}: dumped from other data (its {len(states)} rows differ in number or length "
                          f"from the recipe's {len(rows)}); dump this recipe's into another directory")
-    source = rows if states is None else states
+    # Batches collate every column of their rows: leave out load_rows' `source`.
+    batch_rows = rows.select_columns(["input_ids", "loss_mask"]) if states is None else states
 
     if cfg.synthetic is not None:
         size = cfg.synthetic.batch_size
         groups = [list(range(i, i + size)) for i in range(0, len(rows), size)]  # synthetic_rows' batches
-        return TrainData(Batches(source, groups, cfg.pad_multiple), None,
+        return TrainData(Batches(batch_rows, groups, cfg.pad_multiple), None,
                          draft_vocab(token_counts(rows, vocab_size), draft_vocab_size))
 
     rng = random.Random(seed)
@@ -96,11 +119,16 @@ def load_data(
     n_eval = round(cfg.eval_fraction * len(rows)) if cfg.eval_fraction else 0
     if n_eval >= len(rows):
         raise ValueError(f"{cfg.path}: {len(rows)} rows leave none for training after holding out {n_eval}")
-    train_rows, eval_rows = sorted(order[n_eval:]), sorted(order[:n_eval])
+    # Split the distinct conversations, then repeat each training one as often as its source says: all copies of a
+    # conversation land on the same side. Eval rows count once.
+    repeats = [s.repeat for s in cfg.sources()]
+    times = [repeats[k] for k in rows[SOURCE]]
+    train_rows = [i for i in sorted(order[n_eval:]) for _ in range(times[i])]
+    eval_rows = sorted(order[:n_eval])
 
     def batches(part: list[int]) -> Batches:
         groups = length_groups([lengths[i] for i in part], cfg.batch_size, cfg.bucket, rng)
-        return Batches(source, [[part[i] for i in group] for group in groups], cfg.pad_multiple)
+        return Batches(batch_rows, [[part[i] for i in group] for group in groups], cfg.pad_multiple)
 
     hot = draft_vocab(token_counts(rows.select(train_rows), vocab_size), draft_vocab_size)
     return TrainData(batches(train_rows), batches(eval_rows) if n_eval else None, hot)

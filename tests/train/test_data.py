@@ -1,7 +1,8 @@
 """Real data through the trainer: SmolLM2's tokenizer and chat template, a 20-conversation JSONL, a tiny random
 target with SmolLM2's vocabulary. The split is disjoint and seeded, batches group similar lengths, the draft
 vocabulary comes from the training rows' assistant tokens, and the held-out evaluation is logged and exported, also
-when training from dumped hidden states and by two ZeRO-3 processes."""
+when training from dumped hidden states and by two ZeRO-3 processes. Mixed sources: a regenerated file
+repeated alongside, split before repeating, and bad sources named by their index in data.path."""
 
 import copy
 import itertools
@@ -9,6 +10,7 @@ import json
 import random
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import yaml
@@ -67,6 +69,83 @@ def test_split_batches_and_draft_vocab(conversations, tmp_path):
     assert seen <= set(data.hot.hot_ids.tolist())
     again = load_data(recipe.data, load_rows(recipe, 49152), 49152, 64, seed=0)
     assert again.train.groups == data.train.groups and again.eval.groups == data.eval.groups
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+    """A small file in `python -m eyas.serve.regenerate`'s layout."""
+    path = tmp_path_factory.mktemp("regen") / "regen.jsonl"
+    lines = [{"index": i, "messages": [{"role": "user", "content": f"Regenerated question {i}?"},
+                                       {"role": "assistant", "content": " ".join(WORDS[i : i + 3 + i])}]}
+             for i in range(4)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def mixed_recipe(conversations, regenerated, tmp_path, repeat: int, eval_fraction: float):
+    values = recipe_values(conversations, tmp_path)
+    values["data"] |= {"path": [str(conversations), {"path": str(regenerated), "repeat": repeat}],
+                       "eval_fraction": eval_fraction}
+    return recipe_from_dict(values)
+
+
+def test_mixed_sources_repeat(conversations, regenerated, tmp_path):
+    """20 + 4 conversations, the 4 twice: 24 rows, each once, and 28 training rows, 8 of them regenerated."""
+    recipe = mixed_recipe(conversations, regenerated, tmp_path, repeat=2, eval_fraction=0.0)
+    rows = load_rows(recipe, 49152)
+    assert list(rows["source"]) == [0] * 20 + [1] * 4
+    data = load_data(recipe.data, rows, 49152, 64, seed=0)
+    used = [i for g in data.train.groups for i in g]
+    assert Counter(rows["source"][i] for i in used) == {0: 20, 1: 8}
+    assert Counter(used) == {i: 1 if i < 20 else 2 for i in range(24)}
+    assert data.eval is None and set(data.train[0]) == {"input_ids", "loss_mask", "attention_mask"}
+
+
+def test_mixed_split_keeps_copies_together(conversations, regenerated, tmp_path):
+    """Held-out rows are chosen among distinct conversations, before repeating: no conversation (by its tokens) is
+    both trained on and held out, every row is used, and only training rows repeat."""
+    recipe = mixed_recipe(conversations, regenerated, tmp_path, repeat=3, eval_fraction=0.25)
+    rows = load_rows(recipe, 49152)
+    data = load_data(recipe.data, rows, 49152, 64, seed=0)
+    train_rows = Counter(i for g in data.train.groups for i in g)
+    eval_rows = Counter(i for g in data.eval.groups for i in g)
+    assert sorted(train_rows | eval_rows) == list(range(24)) and sum(eval_rows.values()) == 6
+    assert all(eval_rows[i] == 1 for i in eval_rows)
+    assert all(train_rows[i] == (3 if rows["source"][i] else 1) for i in train_rows)
+    tokens = [tuple(ids) for ids in rows["input_ids"]]
+    assert not {tokens[i] for i in train_rows} & {tokens[i] for i in eval_rows}
+
+
+def test_changing_the_mix_changes_the_batches_not_the_token_cache(conversations, regenerated, tmp_path):
+    """Each source is tokenized and cached on its own; a repeat acts on the training split only. So another repeat
+    reuses the tokenized rows as they are but batches them anew, and another list of sources gives other rows."""
+    two, three = (mixed_recipe(conversations, regenerated, tmp_path, repeat=r, eval_fraction=0.25) for r in (2, 3))
+    rows = load_rows(two, 49152)
+    assert load_rows(three, 49152)._fingerprint == rows._fingerprint
+    data = {r: load_data(recipe.data, rows, 49152, 64, seed=0) for r, recipe in ((2, two), (3, three))}
+    held_out = {r: sorted(i for g in d.eval.groups for i in g) for r, d in data.items()}
+    assert held_out[2] == held_out[3]  # the split ignores repeats
+    regen_trained = len(set(range(20, 24)) - set(held_out[2]))
+    for r, d in data.items():
+        assert sum(map(len, d.train.groups)) == 24 - 6 + (r - 1) * regen_trained
+    assert data[2].train.groups != data[3].train.groups
+    alone = load_rows(recipe_from_dict(recipe_values(conversations, tmp_path)), 49152)
+    assert alone._fingerprint != rows._fingerprint and len(alone) == 20
+
+
+@pytest.mark.parametrize("entry, words", [
+    ("missing.jsonl", ["data.path[1]: ", "'missing.jsonl' is neither an existing path nor a packaged data set"]),
+    ("no-such-set", ["data.path[1]: ", "'no-such-set'", "sharegpt"]),
+    (None, ["data.path[1]: ", "is also data.path[0]", "repeat"]),  # the first source again
+])
+def test_bad_sources_are_named_by_index(conversations, tmp_path, monkeypatch, entry, words):
+    monkeypatch.chdir(tmp_path)
+    values = recipe_values(conversations, tmp_path)
+    values["data"]["path"] = [str(conversations), {"path": entry or str(conversations), "repeat": 2}]
+    with pytest.raises((FileNotFoundError, ValueError)) as err:
+        load_rows(recipe_from_dict(values), 49152)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
 
 
 def test_length_groups_sort_within_windows():

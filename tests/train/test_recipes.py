@@ -1,12 +1,12 @@
 """Recipes: every file in recipes/ loads; unknown or mistyped keys and bad --set overrides are errors that
 name the file and the dotted key (train-eagle prints them as usage errors, without a traceback); --set values
-follow YAML scalar rules."""
+follow YAML rules (a list is a list); a bad `data.path` entry is named by its index."""
 
 import pytest
 
 from eyas.common.config import ConfigError
 from eyas.train.cli import main
-from eyas.train.config import RECIPES_DIR, load_recipe, parse_scalar, recipe_path
+from eyas.train.config import RECIPES_DIR, Source, load_recipe, parse_scalar, recipe_path
 
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 
@@ -52,6 +52,31 @@ def test_set_overrides():
 def test_bad_overrides_name_the_key(overrides, words):
     with pytest.raises(ConfigError) as err:
         load_recipe("ci-tiny", overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_data_path_takes_a_list_of_sources():
+    recipe = load_recipe("ci-tiny", ["data.synthetic=null", "data.path=[sharegpt, {path: regen.jsonl, repeat: 3}]"])
+    assert recipe.data.sources() == [Source("sharegpt", 1, "data.path[0]"), Source("regen.jsonl", 3, "data.path[1]")]
+    assert load_recipe("ci-tiny", ["data.synthetic=null", "data.path=sharegpt"]).data.sources() == [Source("sharegpt")]
+
+
+@pytest.mark.parametrize("path, words", [
+    ("[a.jsonl, {path: b.jsonl, repeat: 0}]", ["data.path[1]", "repeat must be an integer >= 1, got 0"]),
+    ("[{path: b.jsonl, repeat: -2}]", ["data.path[0]", "got -2"]),
+    ("[a.jsonl, {path: b.jsonl, repeat: 1.5}]", ["data.path[1]", "got 1.5"]),
+    ("[a.jsonl, {path: b.jsonl, repeat: '2'}]", ["data.path[1]", "got '2'"]),
+    ("[a.jsonl, {path: b.jsonl, repeat: true}]", ["data.path[1]", "got True"]),
+    ("[a.jsonl, 3]", ["data.path[1]", "expected a file or packaged data set name", "int 3"]),
+    ("[[a.jsonl]]", ["data.path[0]", "list ['a.jsonl']"]),
+    ("[{repeat: 2}]", ["data.path[0]", "needs 'path'"]),
+    ("[{path: a.jsonl, weight: 2}]", ["data.path[0]", "'weight'"]),
+    ("[]", ["data.path", "empty list"]),
+])
+def test_bad_data_path_entries_name_their_index(path, words):
+    with pytest.raises(ConfigError) as err:
+        load_recipe("ci-tiny", ["data.synthetic=null", f"data.path={path}"])
     for word in words:
         assert word in str(err.value), (word, str(err.value))
 
