@@ -92,15 +92,23 @@ def regenerate(conversations: Iterable[tuple[int, Conversation]], client: Client
             advance(index, rewrite)
 
 
-def written_indices(output: Path) -> set[int]:
-    """The indices of the conversations already in `output`."""
-    done = set()
+def written_indices(output: Path, repair: bool = False) -> set[int]:
+    """The indices of the conversations already in `output`. A line cut by a kill ends what stands; with
+    `repair` the file is truncated there, so that appending continues it cleanly."""
+    done, good = set(), 0  # `good`: bytes of whole lines
     if output.exists():
-        for line in output.read_text().splitlines():
+        data = output.read_bytes()
+        for line in data.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break  # cut mid-write (even if the JSON is whole): rewritten by the next run
             try:
                 done.add(json.loads(line)["index"])
             except (json.JSONDecodeError, KeyError):
-                break  # a line cut by a kill: everything before it stands
+                break
+            good += len(line)
+        if repair and good < len(data):
+            with open(output, "r+b") as f:
+                f.truncate(good)
     return done
 
 
@@ -110,7 +118,7 @@ def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: 
     appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
     the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
     path = resolve_asset(data)
-    done = written_indices(output)
+    done = written_indices(output, repair=True)
     i_shard, n_shards = shard
     pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit))
                if i % n_shards == i_shard and i not in done)

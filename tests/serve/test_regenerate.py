@@ -62,14 +62,16 @@ def test_file_resumes_after_interruption(tmp_path):
     out = tmp_path / "out.jsonl"
     assert regenerate_file(data, out, echo_client([]), batch_size=2, limit=3) == 3
     with open(out, "a") as f:
-        f.write('{"index": 3, "mess')  # a line cut by a kill
-    lines = out.read_text().splitlines()[:3]
-    out.write_text("".join(line + "\n" for line in lines))
+        f.write('{"index": 3, "mess')  # a line cut by a kill: the rerun truncates it and writes 3 again
     calls = []
     assert regenerate_file(data, out, echo_client(calls), batch_size=2) == 2
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4] and calls == [1, 1]  # only the two left ran
     assert rows[4]["messages"] == conv("q4", "1:q4")
+    # A whole record whose newline was cut is rewritten too (appending to it would join two records).
+    out.write_text(out.read_text()[:-1])
+    assert regenerate_file(data, out, echo_client([]), batch_size=2) == 1
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2, 3, 4]
 
 
 def test_shards_split_the_conversations(tmp_path):
