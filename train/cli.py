@@ -5,7 +5,8 @@
     deepspeed --num_gpus 8 --module eyas.train.cli --recipe recipes/my-target.yaml --output runs/x   # 8 GPUs
 
 `--recipe` is a YAML path or the name of a file in recipes/; each `--set dotted.key=value` overrides one
-field (YAML scalar syntax). Rerunning the same command resumes from the latest checkpoint in --output.
+field (YAML scalar syntax). Rerunning the same command resumes from the latest checkpoint in --output. SIGTERM or
+SIGINT (preemption, `timeout`, Ctrl-C) stops training after the step in progress and checkpoints it first.
 
 Offline hidden states (a recipe with `data.hidden_states: DIR`): first dump them, once, in one process on one
 device that holds the whole target; rerun the same command to resume an interrupted dump. Training then reads

@@ -16,7 +16,8 @@ train.data) or `data.synthetic`; with `data.eval_fraction`, the held-out rows ar
 
     recipe.yaml          the recipe as run
     metrics.jsonl        one line per optimizer step, one per held-out evaluation (train.metrics)
-    checkpoints/step_N/  every `checkpoint.every` steps (train.checkpoint); a rerun resumes from the latest
+    checkpoints/step_N/  every `checkpoint.every` steps (train.checkpoint), and at the step SIGTERM or SIGINT
+                         stopped the run (`StopSignal`); a rerun resumes from the latest
     final/               the head, SGLang/vLLM EAGLE-3 layout (save_eagle3), and eval.json: its held-out metrics
     final-speculators/   the head, vLLM speculators layout
 """
@@ -28,7 +29,9 @@ import math
 import os
 import random
 import shutil
+import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,6 +75,35 @@ class TTTModule(nn.Module):
                 attention_mask: Tensor) -> TTTOutput:
         return ttt_loss(self.head, embed, input_ids, aux, target_logits, loss_mask, attention_mask,
                         steps=self.steps, decay=self.decay)
+
+
+class StopSignal:
+    """While entered, SIGTERM or SIGINT (preemption, `timeout`, Ctrl-C) only sets `name`, so that training can finish
+    its optimizer step and checkpoint it. After the first, a second SIGINT kills at once (Ctrl-C twice), while
+    SIGTERM keeps being recorded only: launchers (torchrun, deepspeed) forward a SIGTERM to workers that Ctrl-C
+    reached already. Leaving restores the handlers found on entry (`train` runs in-process in tests and notebooks)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.name: str | None = None  # the signal received, e.g. "SIGTERM"
+        self._previous: dict = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.name = self.name or signal.Signals(signum).name
+        if signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():  # Python runs handlers only there
+            # An ignored signal stays ignored (e.g. SIGINT of `train-eagle ... &` in a shell script).
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS
+                              if signal.getsignal(s) is not signal.SIG_IGN}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: not set from Python
 
 
 def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
@@ -182,7 +214,8 @@ def evaluate(module: TTTModule, target: TargetModel, batches: Sequence[Batch], a
 
 
 def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
-    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it."""
+    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after`, SIGTERM or SIGINT
+    stopped it (the latter two after the step in progress, checkpointed: rerunning resumes there)."""
     output = Path(output)
     rank, local_rank, world_size = _init_distributed()
     get_accelerator().set_device(local_rank)
@@ -232,45 +265,59 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     embed = target.embed_tokens.weight
     steps = recipe.ttt.steps
     seen = 0  # real tokens through the target in this process
-    while step < recipe.optim.total_steps:
-        step_started = time.perf_counter()
-        # Sums over this optimizer step's micro-batches: loss, then per unroll step correct and counted tokens.
-        totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
-        lr = schedule.get_last_lr()[0]  # the lr of this step's update (the schedule advances after it)
-        for _ in range(recipe.optim.grad_accum):
-            position, batch = next(stream)
-            position += 1
-            seen += int(batch["attention_mask"].sum())  # on the host copy: no wait for the device
-            batch = {k: v.to(device) for k, v in batch.items()}
-            aux, logits = target_states(target, batch, aux_layers)
-            out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
-            engine.backward(out.loss)
-            engine.step()
-            totals += _totals(out)
-        step += 1
-        if world_size > 1:
-            dist.all_reduce(totals)
-        summary = _summary(totals, steps, recipe.optim.grad_accum * world_size)
-        grad_norm = engine.get_global_grad_norm()
-        if rank == 0:
-            log.log({
-                "step": step, "split": "train", "loss": summary["loss"],
-                "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "acc": summary["acc"], "tau": summary["tau"], "tokens": summary["tokens"],
-                # wall time of the step (the metrics' all-reduce and .tolist() synchronise the device)
-                "seconds": time.perf_counter() - step_started,
-            })
-            bar.update(1)
-            bar.set_postfix(loss=f"{summary['loss']:.3f}", tau=f"{summary['tau']:.2f}")
-        every = recipe.logging.eval_every
-        if eval_batches is not None and every and step % every == 0 and step < recipe.optim.total_steps:
-            run_eval()
-        if recipe.checkpoint.every and step % recipe.checkpoint.every == 0:
-            checkpoint.save(engine, ckpt_root, step, position, recipe.checkpoint.keep_last)
-        if recipe.checkpoint.stop_after is not None and step >= recipe.checkpoint.stop_after:
-            break
+    signalled = False  # set when a rank got SIGTERM or SIGINT: stop after this step, checkpointed
+    # Installed only for the steps: a signal while loading, evaluating the baseline or exporting loses no step, so
+    # it still kills at once.
+    with StopSignal() as stop:
+        while step < recipe.optim.total_steps:
+            step_started = time.perf_counter()
+            # Sums over this optimizer step's micro-batches: loss, then per unroll step correct and counted tokens.
+            totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
+            lr = schedule.get_last_lr()[0]  # the lr of this step's update (the schedule advances after it)
+            for _ in range(recipe.optim.grad_accum):
+                position, batch = next(stream)
+                position += 1
+                seen += int(batch["attention_mask"].sum())  # on the host copy: no wait for the device
+                batch = {k: v.to(device) for k, v in batch.items()}
+                aux, logits = target_states(target, batch, aux_layers)
+                out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
+                engine.backward(out.loss)
+                engine.step()
+                totals += _totals(out)
+            step += 1
+            # + 1 element: how many ranks were signalled. It rides on the metrics' all-reduce, so every rank
+            # agrees to stop after the same step without a collective of its own.
+            totals = torch.cat([totals, totals.new_tensor([stop.name is not None])])
+            if world_size > 1:
+                dist.all_reduce(totals)
+            totals, signalled = totals[:-1], bool(totals[-1])
+            summary = _summary(totals, steps, recipe.optim.grad_accum * world_size)
+            grad_norm = engine.get_global_grad_norm()
+            if rank == 0:
+                log.log({
+                    "step": step, "split": "train", "loss": summary["loss"],
+                    "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "acc": summary["acc"], "tau": summary["tau"], "tokens": summary["tokens"],
+                    # wall time of the step (the metrics' all-reduce and .tolist() synchronise the device)
+                    "seconds": time.perf_counter() - step_started,
+                })
+                bar.update(1)
+                bar.set_postfix(loss=f"{summary['loss']:.3f}", tau=f"{summary['tau']:.2f}")
+            every = recipe.logging.eval_every
+            if eval_batches is not None and every and step % every == 0 and step < recipe.optim.total_steps:
+                run_eval()  # even when stopping: a resumed run does not redo this step's evaluation
+            saved = bool(recipe.checkpoint.every) and step % recipe.checkpoint.every == 0
+            if saved or signalled:
+                path = checkpoint.save(engine, ckpt_root, step, position, recipe.checkpoint.keep_last)
+            if signalled:
+                if rank == 0:
+                    tqdm.write(f"train-eagle: stopped by {stop.name or 'a signal to another rank'} at step {step}; "
+                               f"checkpoint saved to {path}; rerun the same command to resume")
+                break
+            if recipe.checkpoint.stop_after is not None and step >= recipe.checkpoint.stop_after:
+                break
     bar.close()
-    done = step == recipe.optim.total_steps
+    done = step == recipe.optim.total_steps and not signalled
     final_eval = run_eval() if done and eval_batches is not None else None
     if rank == 0:
         log.close()

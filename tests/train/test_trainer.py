@@ -1,13 +1,14 @@
 """The trainer end to end through DeepSpeed (one CPU process): ci-tiny writes metrics, checkpoints and a head
-that loads; a run stopped mid-way, or killed with SIGKILL (training online or from dumped hidden states), resumes to
-bit-identical weights and metrics; ZeRO-3 trains, resumes and exports as ZeRO-1 does; the loss falls on an
-overfit."""
+that loads; a run stopped mid-way, killed with SIGKILL (training online or from dumped hidden states) or stopped by
+SIGTERM (which checkpoints the step it was on), resumes to bit-identical weights and metrics; ZeRO-3 trains, resumes
+and exports as ZeRO-1 does; the loss falls on an overfit."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from eyas.train import checkpoint
 from eyas.train.config import load_recipe
 from eyas.train.optim import deepspeed_config, lr_factor
 from eyas.train.target import build_random_target
-from eyas.train.trainer import dump, train
+from eyas.train.trainer import StopSignal, dump, train
 from tests.train import launcher_free_env, metrics
 
 QUIET = ["logging.progress=false"]
@@ -112,6 +113,36 @@ def test_lr_schedule():
     assert lr_factor(5, 0, 5, 0.1) == pytest.approx(0.1)
 
 
+def _start_train_eagle(run: Path, overrides: list[str]) -> subprocess.Popen:
+    """`train-eagle --recipe ci-tiny --output run` in a child process; its stdout and stderr go to `run`.log."""
+    command = [sys.executable, "-m", "eyas.train.cli", "--recipe", "ci-tiny", "--output", str(run)]
+    for item in overrides:
+        command += ["--set", item]
+    with open(run.with_suffix(".log"), "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=launcher_free_env())
+
+
+def _wait_until(condition, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not condition():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("the run ended (or stalled) before it was interrupted:\n" + log.read_text())
+        time.sleep(0.02)
+
+
+def _assert_resumes_to_an_uninterrupted_run(run: Path, whole: Path, overrides: list[str]) -> None:
+    """Rerunning the interrupted `run` (in-process) finishes with the weights and metrics of an uninterrupted
+    run into `whole`."""
+    recipe = load_recipe("ci-tiny", overrides)
+    assert train(recipe, run) == run / "final"
+    assert train(recipe, whole) == whole / "final"
+    want, got = load_file(whole / "final/model.safetensors"), load_file(run / "final/model.safetensors")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert metrics(run) == metrics(whole)
+
+
 @pytest.mark.parametrize("offline", [False, True], ids=["online", "offline"])
 def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path, offline):
     """A `train-eagle` process killed with SIGKILL (no chance to clean up) after a checkpoint: rerunning the
@@ -120,25 +151,47 @@ def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path, offline):
     if offline:
         overrides.append(f"data.hidden_states={tmp_path / 'states'}")
         dump(load_recipe("ci-tiny", overrides))
-    command = [sys.executable, "-m", "eyas.train.cli", "--recipe", "ci-tiny", "--output", str(tmp_path / "killed")]
-    for item in overrides:
-        command += ["--set", item]
-    with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=launcher_free_env())
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "killed/checkpoints/step_10").exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("the run ended before its checkpoint:\n" + (tmp_path / "killed.log").read_text())
-            time.sleep(0.02)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
+    process = _start_train_eagle(tmp_path / "killed", overrides)
+    _wait_until((tmp_path / "killed/checkpoints/step_10").exists, process, tmp_path / "killed.log")
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
     assert not (tmp_path / "killed/final").exists(), "killed too late: the run had finished"
+    _assert_resumes_to_an_uninterrupted_run(tmp_path / "killed", tmp_path / "whole", overrides)
 
-    recipe = load_recipe("ci-tiny", overrides)
-    assert train(recipe, tmp_path / "killed") == tmp_path / "killed/final"
-    assert train(recipe, tmp_path / "whole") == tmp_path / "whole/final"
-    want = load_file(tmp_path / "whole/final/model.safetensors")
-    got = load_file(tmp_path / "killed/final/model.safetensors")
-    for name in want:
-        assert torch.equal(want[name], got[name]), name
-    assert metrics(tmp_path / "killed") == metrics(tmp_path / "whole")
+
+def test_sigterm_checkpoints_the_step_in_progress_and_resumes_to_the_same_weights(tmp_path):
+    """SIGTERM (preemption, `timeout`) mid-run: `train-eagle` finishes its step, checkpoints it although no periodic
+    checkpoint is due, says so and exits 0; rerunning the same command resumes there to the weights of an
+    uninterrupted run, and the in-process runs leave the signal handlers as they found them."""
+    overrides = QUIET + ["optim.total_steps=60", "optim.warmup_steps=5", "checkpoint.every=1000"]
+    run, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    process = _start_train_eagle(run, overrides)
+    jsonl = run / "metrics.jsonl"
+    _wait_until(lambda: jsonl.exists() and jsonl.read_text().count("\n") >= 3, process, log)
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=60) == 0, log.read_text()
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError("SIGTERM did not stop the run:\n" + log.read_text()) from None
+    last = metrics(run)[-1]["step"]
+    assert 3 <= last < 60 and not (run / "final").exists()
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == [f"step_{last}"]
+    saved = run / "checkpoints" / f"step_{last}"
+    assert (f"train-eagle: stopped by SIGTERM at step {last}; checkpoint saved to {saved}; rerun the same command to "
+            "resume") in log.read_text()
+
+    handlers = [signal.getsignal(s) for s in StopSignal.SIGNALS]
+    _assert_resumes_to_an_uninterrupted_run(run, tmp_path / "whole", overrides)
+    assert [signal.getsignal(s) for s in StopSignal.SIGNALS] == handlers
+
+
+def test_stop_signal_records_signals_and_lets_a_second_ctrl_c_kill():
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignal() as stop:
+        signal.raise_signal(signal.SIGINT)  # a KeyboardInterrupt here would mean no handler was installed
+        assert stop.name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # Ctrl-C again kills
+        signal.raise_signal(signal.SIGTERM)  # what a launcher forwards: still only recorded (else it would kill)
+        assert stop.name == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is before
