@@ -168,6 +168,13 @@ def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -
     return total / seconds
 
 
+def _tree_setting(text: str) -> TreeShape | None:
+    try:
+        return parse_setting(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own message as the usage error
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench-eagle", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=1,
                         help="prompts per batch size, run --batch-size at a time (at least the batch size; "
                         "Hugging Face runs as many at batch 1)")
-    parser.add_argument("--trees", type=parse_setting, nargs="+",
+    parser.add_argument("--trees", type=_tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")

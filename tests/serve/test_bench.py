@@ -29,6 +29,13 @@ def test_bench_tiny_random(tmp_path, capsys):
     assert [b for b, _ in table] == [1, 2] and setting_for(table, 5) == table[-1][1]
 
 
+@pytest.mark.parametrize("tree, message", [("7,1", "num_steps,topk,num_draft_tokens"), ("3,1,9", "exceeds")])
+def test_bad_tree_is_a_usage_error(tree, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--random-weights", "--arch", "tiny", "--trees", tree, "--device", "cpu"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_autotune_file_errors_name_the_entry(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps({"best_setting_by_batch_size": {"4": "off", "1": "7,1,8", "16": "5,4,8"}}))
