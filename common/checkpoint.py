@@ -36,12 +36,13 @@ def load_strict(
 
     A missing, unexpected or misshaped tensor raises a `CheckpointError` naming it. `ignore` lists
     names that may be present and are dropped. `only` loads just those of the module's tensors, the others
-    staying as they are (on meta). Floating tensors are cast to `dtype` (None: kept); integer and bool
-    tensors (vocabulary maps) keep theirs.
+    staying as they are (on meta), and drops the other tensors of `tensors`. Floating tensors are cast to `dtype`
+    (None: kept); integer and bool tensors (vocabulary maps) keep theirs.
     """
     expected = module.state_dict()
     if only is not None:
         expected = {name: expected[name] for name in only}
+        tensors = {name: t for name, t in tensors.items() if name in expected}
     problems = []
     for name in sorted(set(tensors) - set(expected) - set(ignore)):
         problems.append(f"unexpected tensor '{name}' {tuple(tensors[name].shape)}")
@@ -93,18 +94,6 @@ def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[s
     return tensors
 
 
-def read_target_tensors(path: str | Path, names: Collection[str]) -> dict[str, Tensor]:
-    """The tensors `names` (HF names) of a target checkpoint. From an HF directory only they are read (a 70B
-    target's embedding, final norm and lm_head are 4.2 GB of its 141); a .gguf file is dequantised whole first.
-    A name the checkpoint lacks is a CheckpointError."""
-    path = Path(path)
-    tensors = read_gguf(path)[1] if path.suffix == ".gguf" else read_weights_dir(path, names)
-    missing = [name for name in names if name not in tensors]
-    if missing:
-        raise CheckpointError(f"{path}: no tensor {', '.join(repr(n) for n in missing)}")
-    return {name: tensors[name] for name in names}
-
-
 def save_safetensors(tensors: Mapping[str, Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -142,9 +131,17 @@ def target_config(path: str | Path) -> TargetConfig:
 
 
 def load_target(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    only: Collection[str] | None = None,
 ) -> TargetModel:
-    """Builds a `TargetModel` from an HF directory or a `.gguf` file, in `dtype` on `device`."""
+    """Builds a `TargetModel` from an HF directory or a `.gguf` file, in `dtype` on `device`.
+
+    `only` (HF names) loads just those tensors, the rest of the model staying on the meta device (no memory;
+    running it fails); from an HF directory only they are read (a 70B target's embedding, final norm and lm_head
+    are 4.2 GB of its 141), a .gguf file is dequantised whole first. A tied target's `lm_head.weight` is its
+    embedding: asked for, it is skipped."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"target checkpoint {path} does not exist")
@@ -153,12 +150,14 @@ def load_target(
         cfg = TargetConfig.from_hf(hf_config, source=str(path))
     else:
         cfg = target_config(path)
-        tensors = read_weights_dir(path)
+        tensors = read_weights_dir(path, only)
     with torch.device("meta"):
         model = TargetModel(cfg)
     # Tied checkpoints sometimes also store lm_head.weight (a copy of the embedding).
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_strict(model, tensors, source=str(path), dtype=dtype, device=device, ignore=ignore)
+    if only is not None:
+        only = [name for name in only if name not in ignore]
+    load_strict(model, tensors, source=str(path), dtype=dtype, device=device, ignore=ignore, only=only)
     model.rotary.reset_parameters(device)
     return model.eval()
 

@@ -32,9 +32,8 @@ from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import read_conversations
 from eyas.data.tokenizer import render_chat
 
-from .attention import add_engine_arguments, engine_options
 from .autotune import format_setting, parse_setting, write_autotune
-from .commands import load_models
+from .commands import add_engine_arguments, engine_options, load_models
 from .cuda_graphs import BATCH_BUCKETS
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
@@ -83,14 +82,14 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     return (prompts * n)[:n]
 
 
-def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **engine) -> Result:
+def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Result:
     """Generates for every prompt, `batch_size` at a time: tokens/s (prefill included) and τ from that run,
     unsynchronised; the step split from the first batch run again with each phase timed.
-    `engine`: further EngineConfig fields."""
+    `options`: further EngineConfig fields."""
     block_size = 16
     longest = max(len(p) for p in prompts) + max_new_tokens + 128  # + the largest tree's scratch
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
-                          block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **engine)
+                          block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
     engine = Engine(target, head if shape else None, config)
     greedy = SamplingParams(temperature=0)
     for bucket in [b for b in BATCH_BUCKETS if b < batch_size] + [batch_size]:  # capture every graph before timing
@@ -106,7 +105,8 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
         torch.cuda.synchronize(engine.device)
     seconds = time.perf_counter() - start
     generated = sum(len(r.output) for r in requests)
-    tau = (generated - len(requests)) / sum(len(r.accepted) for r in requests) if shape else 1.0  # less prefill tokens
+    verifications = max(sum(len(r.accepted) for r in requests), 1)  # none when every request stops at its prefill
+    tau = (generated - len(requests)) / verifications if shape else 1.0  # less the prefill's tokens
 
     engine.profile, engine.decode_steps = True, 0
     engine.generate(prompts[:batch_size], greedy, max_new_tokens)
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--num-prompts", type=int, default=1,
-                        help="prompts per batch size, run --batch-size at a time (at least the batch size; "
-                        "Hugging Face runs as many at batch 1)")
+                        help="prompts per batch size, that batch size at a time (never fewer than the batch size; "
+                        "Hugging Face runs this many at batch 1)")
     parser.add_argument("--trees", type=_tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     dtype = default_dtype(args.device)
+    if args.prompts in PROMPT_SETS and args.random_weights:  # before building a model it could not use
+        parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
 
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)
@@ -212,8 +214,6 @@ def main(argv: list[str] | None = None) -> None:
         target, head, tokenizer, path = load_models(args.target, args.draft, args.token_map, args.device, dtype)
     n = max(args.num_prompts, *args.batch_sizes)
     if args.prompts in PROMPT_SETS:
-        if args.random_weights:
-            parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
         prompts = chat_prompts(args.prompts, tokenizer, n, args.input_len)
     elif args.prompts:
         prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line]
@@ -222,15 +222,15 @@ def main(argv: list[str] | None = None) -> None:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
 
-    engine = engine_options(args)
-    run_setting(target, head, None, prompts[:1], 8, 1, **engine)  # process-wide warm-up (kernel selection, allocator)
+    options = engine_options(args)
+    run_setting(target, head, None, prompts[:1], 8, 1, **options)  # process-wide warm-up (kernel selection, allocator)
     results: list[Result] = []
     for bs in args.batch_sizes:
         batch_prompts = prompts[:max(bs, args.num_prompts)]
-        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, **engine)
+        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, **options)
         results.append(base)
         for shape in args.trees:
-            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, **engine)
+            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, **options)
             r.speedup = r.tokens_per_s / base.tokens_per_s
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)
@@ -249,10 +249,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"weight-streaming floor (linear layers alone, CUDA graph): {floor:.2f} ms{ratio}")
     if args.compare_hf and not args.random_weights:
         hf = hf_tokens_per_s(path, prompts[:args.num_prompts], args.output_len, args.device, dtype)
-        at_1 = [r for r in results if r.batch_size == 1]
-        best = f"; eyas best at batch 1 on the same prompts: {max(r.tokens_per_s for r in at_1):.1f} tok/s " \
-               f"({max(r.tokens_per_s for r in at_1) / hf:.2f}x)" if at_1 else ""
-        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s{best}")
+        best = max((r.tokens_per_s for r in results if r.batch_size == 1), default=None)
+        vs = f"; eyas best at batch 1 on the same prompts: {best:.1f} tok/s ({best / hf:.2f}x)" if best else ""
+        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s{vs}")
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
     if args.autotune:

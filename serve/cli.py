@@ -23,9 +23,8 @@ import yaml
 
 from eyas.common.assets import DEFAULT_TARGET
 
-from .attention import add_engine_arguments, engine_options
 from .autotune import read_autotune
-from .commands import add_tree_arguments, load_models, tree_shape
+from .commands import add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .metrics import Metrics

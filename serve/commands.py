@@ -1,5 +1,5 @@
-"""What the command-line tools (serve-eagle, eval-eagle, bench-eagle, regenerate, chat) share: the tree flags,
-and loading a target with its tokenizer and draft head.
+"""What the command-line tools (serve-eagle, eval-eagle, bench-eagle, regenerate, chat) share: the engine and
+tree flags, and loading a target with its tokenizer and draft head.
 
     add_tree_arguments(parser, TreeShape(7, 1, 8))      # --num-steps, --topk, --num-draft-tokens
     tree = tree_shape(parser, parser.parse_args())      # an impossible tree is a usage error
@@ -20,7 +20,22 @@ from eyas.common.head_checkpoint import DraftHead, load_draft_head
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
+from .attention import BACKENDS
 from .draft import TreeShape
+
+
+def engine_options(args) -> dict:
+    """The EngineConfig fields `add_engine_arguments`' options set."""
+    return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph}
+
+
+def add_engine_arguments(parser) -> None:
+    """The engine options every serving command shares: `--attention` and `--disable-cuda-graph`."""
+    parser.add_argument("--attention", choices=BACKENDS, default="auto",
+                        help="attention backend: triton (paged kernels, CUDA graphs), torch (reference), or auto: "
+                             "triton on CUDA when installed (default)")
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="run decode steps eagerly (CUDA graphs are on by default with the triton backend)")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:

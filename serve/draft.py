@@ -82,8 +82,9 @@ class Drafter:
         if target_out.aux is not None:
             inputs += (target_out.aux,)
         hidden, logp = self.graphs("extend", self._extend, *inputs) if capture else self._extend(*inputs)
-        hidden, logp = hidden.clone(), logp.clone()  # graph outputs are overwritten by the next replay
-        return [DraftState(hidden[b], logp[b]) for b in range(len(hidden))]
+        if capture and self.graphs.capture:  # graph outputs are overwritten by the next replay
+            hidden, logp = hidden.clone(), logp.clone()
+        return [DraftState(h, p) for h, p in zip(hidden.unbind(), logp.unbind(), strict=True)]  # one view per row
 
     def _extend(self, target_hidden: Tensor, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor,
                 aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -130,4 +131,4 @@ class Drafter:
             hidden = out.gather(1, rows)
         tree = builder.finalize(shape.num_draft_tokens)
         tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
-        return tokens, tree.parents, tree.depth, tree.mask, tree.scores
+        return tokens, tree.parents, tree.depth, tree.mask

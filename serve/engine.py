@@ -140,8 +140,9 @@ class Engine:
                     install(model)
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
-        self.speculative = head is not None and self.config.speculative
-        self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if self.speculative else ()
+        if not self.config.speculative:
+            head = None  # plain decoding: the head is neither run nor given KV memory
+        self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if head is not None else ()
         self.trees = [shape for _, shape in self.tree_by_batch if shape is not None]
         # Positions a decode step may write beyond the cached ones: the tree (or the root), the draft's scratch.
         self.reserve = 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in self.trees])
@@ -151,8 +152,8 @@ class Engine:
                            dtype, self.device)
         self.graphs = GraphCache(self.device, self.config.cuda_graphs and self.attention.graph_safe)
         self.aux_layers: tuple[int, ...] = ()
-        self.drafter = None
-        if self.speculative:
+        self.drafter = None  # None: no speculation
+        if head is not None:
             hc = head.config
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
@@ -293,8 +294,10 @@ class Engine:
 
     # ---- model passes ---------------------------------------------------------------------------
 
-    def _block_table(self, requests: list[Request], padding_rows: int = 0) -> Tensor:
-        return self.pool.block_table([r.blocks for r in requests], self.device, self.table_width, padding_rows)
+    def _block_table(self, requests: list[Request], padding_rows: int = 0, width: int | None = None) -> Tensor:
+        """[B + padding_rows, W] (`KVPool.block_table`), at least `table_width` wide when graphs need fixed shapes."""
+        width = max(self.table_width or 0, width or 0)
+        return self.pool.block_table([r.blocks for r in requests], self.device, width, padding_rows)
 
     @torch.no_grad()
     def _prefill(self, requests: list[Request]) -> None:
@@ -310,8 +313,7 @@ class Engine:
                                                                                    strict=True)], device=device)
         prefix = torch.tensor(starts, device=device)
         # Wide enough for every padded position (past a row's blocks: the scratch block).
-        width = max(self.table_width or 0, self._blocks_for(max(starts) + T))
-        table = self.pool.block_table([r.blocks for r in requests], device, width)
+        table = self._block_table(requests, width=self._blocks_for(max(starts) + T))
         out = self.target(tokens, prefix[:, None] + torch.arange(T, device=device),
                           self.attention(self.pool, table, prefix, causal_mask(T, device).expand(B, T, T)),
                           aux_layers=self.aux_layers)
@@ -350,7 +352,7 @@ class Engine:
         """One decode step for B requests, run on B' >= B rows: with CUDA graphs the batch is padded to its
         bucket (padding rows have empty prefixes and write only the scratch block)."""
         device, B = self.device, len(requests)
-        shape = setting_for(self.tree_by_batch, B) if self.speculative else None
+        shape = setting_for(self.tree_by_batch, B) if self.drafter is not None else None
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
         n, roots = torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
                                  [r.last_token for r in requests] + [0] * pad]).to(device)
@@ -453,7 +455,7 @@ class Engine:
     def _auto_blocks(self, head: DraftHead | None, dtype: torch.dtype) -> int:
         tcfg = self.target.config
         per_token = 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * tcfg.head_dim
-        if head is not None and self.config.speculative:
+        if head is not None:
             per_token += 2 * head.kv_layers * head.config.num_key_value_heads * head.config.head_dim
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -37,9 +37,8 @@ from tqdm import tqdm
 from eyas.common.assets import asset_path
 from eyas.data.conversations import Conversation
 
-from .attention import add_engine_arguments, engine_options
 from .clients import Client, EndpointClient, EngineClient
-from .commands import add_tree_arguments, load_models, tree_shape
+from .commands import add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
     add_engine_arguments(parser)
-    parser.add_argument("--mem-fraction", type=float, default=0.85,
+    parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
                         help="share of free GPU memory each engine's KV cache takes (lower it to share a GPU)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
     parser.add_argument("--output", type=Path, default=Path("eval"))

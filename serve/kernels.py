@@ -8,9 +8,10 @@ dtype is rounded to that dtype here too. Results equal the reference up to fp32 
 rsqrt/exp.
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
-default), and the engine installs `FUSED` on the models it serves with the triton attention backend
-(`install`). They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor shapes
-only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device.
+default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever
+the attention backend (`install`). They have no backward: the trainer keeps the torch kernels. Launches read
+sizes from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the
+current CUDA device.
 """
 
 from __future__ import annotations

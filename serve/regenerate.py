@@ -29,9 +29,8 @@ from tqdm import tqdm
 from eyas.common.assets import resolve_asset
 from eyas.data.conversations import Conversation, read_conversations
 
-from .attention import add_engine_arguments, engine_options
 from .clients import Client, EndpointClient, EngineClient
-from .commands import load_models
+from .commands import add_engine_arguments, engine_options, load_models
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
 
@@ -122,8 +121,9 @@ def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: 
     i_shard, n_shards = shard
     pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit))
                if i % n_shards == i_shard and i not in done)
+    total = None if limit is None else len(range(i_shard, limit, n_shards))  # this shard's share of `limit`
     written = 0
-    with open(output, "a") as f, tqdm(desc="regenerating", unit="conv", initial=len(done), total=limit) as bar:
+    with open(output, "a") as f, tqdm(desc="regenerating", unit="conv", initial=len(done), total=total) as bar:
         for index, messages in regenerate(pending, client, batch_size):
             if any(m["role"] == "assistant" for m in messages):
                 f.write(json.dumps({"index": index, "messages": messages}) + "\n")
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-prompt-tokens", type=int,
-                        help="end a conversation before a turn whose prompt is longer (e.g. training's max_length)")
+                        help="end a conversation before a turn whose prompt is longer (e.g. training's max_length; "
+                        "in-process only)")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                         help="take conversations I, I+N, I+2N, ... (e.g. 0/2 and 1/2 on two GPUs)")
     add_engine_arguments(parser)
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=args.temperature)
     if (args.target is None) == (args.endpoint is None):
         parser.error("give exactly one of --target (in-process) and --endpoint")
+    if args.endpoint and args.max_prompt_tokens is not None:  # prompts are counted in the target's tokens
+        parser.error("--max-prompt-tokens needs --target: an endpoint's prompts are not tokenized here")
     try:
         if args.endpoint:
             client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)

@@ -36,7 +36,9 @@ class DraftTree:
     parents: Tensor  # [B, N] parent node index, -1 for the root; parents precede children
     depth: Tensor  # [B, N] 0 for the root: a node's position is the root's position + depth
     mask: Tensor  # [B, N, N] bool: node i may attend node j iff j is i or one of its ancestors
-    scores: Tensor  # [B, N] cumulative draft log-probability (+inf for the root)
+    # [B, N] cumulative draft log-probability (+inf for the root): what `finalize` ranked by. Serving never
+    # reads it, so the drafter's trees (graph outputs) and `root_only` leave it None.
+    scores: Tensor | None = None
 
 
 class TreeBuilder:
@@ -162,5 +164,4 @@ def root_only(roots: Tensor) -> DraftTree:
         parents=torch.full((B, 1), -1, dtype=torch.long, device=device),
         depth=torch.zeros(B, 1, dtype=torch.long, device=device),
         mask=torch.ones(B, 1, 1, dtype=torch.bool, device=device),
-        scores=torch.zeros(B, 1, device=device),
     )

@@ -53,7 +53,8 @@ def verify_greedy(
     accepted[:, 0] = 0
     cur = torch.zeros(B, dtype=torch.long, device=tokens.device)  # [B] last accepted node
     num_accepted = torch.zeros_like(cur)
-    for depth in range(1, min(N, (N - 1 if max_depth is None else max_depth) + 1)):
+    steps = N - 1 if max_depth is None else min(max_depth, N - 1)  # a node at depth d has index >= d
+    for depth in range(1, steps + 1):
         nxt = _first_true(matches & (parents == cur[:, None]))  # [B], -1 where no child matches
         found = nxt >= 0
         accepted[:, depth] = nxt  # rows that stopped earlier keep finding nothing: -1

@@ -50,7 +50,7 @@ class ModelConfig:
     random_arch: str | None = None  # a named architecture (eyas.common.architectures) with random weights: benchmarks
     draft_vocab_size: int = 32000  # capped at the target's vocab
     aux_layers: list[int] | None = None  # layers the fused streams enter; None: [2, L//2, L-3]
-    init_from_target: bool = True  # lm_head rows and final norm copied from the target (trainer.init_from_target)
+    init_from_target: bool = True  # lm_head rows and final norm copied from the target (trainer.build_head)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bf16 or fp32
 
     def __post_init__(self):
@@ -64,7 +64,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SyntheticData:
-    """Random token rows (CI); every row is a full row, the last `1 - assistant_fraction` of it unmasked."""
+    """Random token rows (CI); every row is a full row, its last `assistant_fraction` counted in the loss."""
 
     num_batches: int = 8
     batch_size: int = 2

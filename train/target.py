@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from eyas.common.architectures import random_target
 from eyas.common.assets import resolve_target
 from eyas.common.attention import CausalAttention, MaskedAttention
-from eyas.common.checkpoint import load_strict, read_target_tensors, target_config
+from eyas.common.checkpoint import load_target as load_checkpoint
 from eyas.common.config import TargetConfig
 from eyas.common.target import TargetModel
 
@@ -46,13 +46,8 @@ def build_random_target(cfg: RandomTarget) -> TargetModel:
 def load_target_ends(path: Path, dtype: torch.dtype, device: torch.device) -> TargetModel:
     """The target of checkpoint `path` with only its embedding, final norm and lm_head loaded; its decoder layers
     stay on the meta device (no memory, and running them fails: a meta weight meets a real input)."""
-    config = target_config(path)
-    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_word_embeddings else
-                                                                  ["lm_head.weight"])
-    with torch.device("meta"):
-        target = TargetModel(config)
-    load_strict(target, read_target_tensors(path, names), source=str(path), dtype=dtype, device=device, only=names)
-    return target
+    return load_checkpoint(path, dtype, device, only=("model.embed_tokens.weight", "model.norm.weight",
+                                                      "lm_head.weight"))  # a tied lm_head: the embedding
 
 
 def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layers: bool = True) -> TargetModel:

@@ -290,6 +290,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
             totals = torch.cat([totals, totals.new_tensor([stop.name is not None])])
             if world_size > 1:
                 dist.all_reduce(totals)
+            totals = totals.cpu()  # the step's one wait for the device: the metrics and the flag are read on the host
             totals, signalled = totals[:-1], bool(totals[-1])
             summary = _summary(totals, steps, recipe.optim.grad_accum * world_size)
             grad_norm = engine.get_global_grad_norm()
@@ -298,7 +299,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
                     "step": step, "split": "train", "loss": summary["loss"],
                     "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                     "acc": summary["acc"], "tau": summary["tau"], "tokens": summary["tokens"],
-                    # wall time of the step (the metrics' all-reduce and .tolist() synchronise the device)
+                    # wall time of the step (copying the metrics to the host synchronises the device)
                     "seconds": time.perf_counter() - step_started,
                 })
                 bar.update(1)

@@ -30,17 +30,3 @@ def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
         return TritonPagedAttention
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-
-
-def engine_options(args) -> dict:
-    """The EngineConfig fields `add_engine_arguments`' options set."""
-    return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph}
-
-
-def add_engine_arguments(parser) -> None:
-    """The engine options every serving command shares: `--attention` and `--disable-cuda-graph`."""
-    parser.add_argument("--attention", choices=BACKENDS, default="auto",
-                        help="attention backend: triton (paged kernels, CUDA graphs), torch (reference), or auto: "
-                             "triton on CUDA when installed (default)")
-    parser.add_argument("--disable-cuda-graph", action="store_true",
-                        help="run decode steps eagerly (CUDA graphs are on by default with the triton backend)")

@@ -19,6 +19,9 @@ class TorchPagedAttention(PagedAttention):
     def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
         super().__init__(pool, block_table, prefix_lens, window_mask)
         self.kv_slots, self.mask = dense_view(block_table, prefix_lens, window_mask, pool.block_size)
+        # [B, T, 1, 1]: queries that see some key. One that sees none (padding) gets NaN from softmax over
+        # nothing; `attend` zeroes it, as the kernels do. The same for every layer, so computed once.
+        self.sees_any = self.mask.any(-1)[:, :, None, None]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.write(layer, k, v)
@@ -30,5 +33,4 @@ class TorchPagedAttention(PagedAttention):
         # the expanded heads.
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             out = sdpa(q, keys, values, mask=self.mask)
-        # A query that sees no key (padding) gives NaN from softmax over nothing: zero, as the kernels do.
-        return torch.where(self.mask.any(-1)[:, :, None, None], out, 0.0)
+        return torch.where(self.sees_any, out, 0.0)

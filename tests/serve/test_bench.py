@@ -36,6 +36,12 @@ def test_bad_tree_is_a_usage_error(tree, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_chat_prompt_set_with_random_weights_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:  # refused before the random model is built
+        main(["--random-weights", "--arch", "tiny", "--prompts", "mt-bench", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "real --target's tokenizer" in capsys.readouterr().err
+
+
 def test_autotune_file_errors_name_the_entry(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps({"best_setting_by_batch_size": {"4": "off", "1": "7,1,8", "16": "5,4,8"}}))

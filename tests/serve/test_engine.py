@@ -102,6 +102,7 @@ def test_triton_engine_equals_target_greedy(hf_checkpoint, target, shape, graphs
 def test_speculation_off_is_plain_decoding(target):
     ps = prompts(3, target.config.vocab_size, seed=1)
     engine = Engine(target, random_head(target), EngineConfig(speculative=False, block_size=4, num_blocks=64))
+    assert engine.drafter is None and engine.trees == []  # the head is neither run nor given a KV pool
     requests = engine.generate(ps, GREEDY, max_new_tokens=16)
     assert [r.output for r in requests] == [list(greedy_tokens(target, p, 16)) for p in ps]
     assert all(r.accepted == [] for r in requests)

@@ -33,10 +33,6 @@ class EchoClient(Client):
         return [self.pending.pop(0)]
 
 
-def echo_client(calls):
-    return EchoClient(calls)
-
-
 def conv(*texts):
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
 
@@ -44,7 +40,7 @@ def conv(*texts):
 def test_turns_are_rewritten_in_order_and_conversations_refill():
     calls = []
     convs = [conv("a", "old", "b", "old"), conv("c", "old"), conv("d", "old")]
-    out = list(regenerate(enumerate(convs), echo_client(calls), in_flight=2))
+    out = list(regenerate(enumerate(convs), EchoClient(calls), in_flight=2))
     # a's first reply comes back first: a asks for its second turn at once, c's reply then finishes c,
     # whose place goes to d.
     assert out == [(1, conv("c", "1:c")), (0, conv("a", "1:a", "b", "3:b")), (2, conv("d", "1:d"))]
@@ -60,17 +56,17 @@ def test_file_resumes_after_interruption(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(5)))
     out = tmp_path / "out.jsonl"
-    assert regenerate_file(data, out, echo_client([]), batch_size=2, limit=3) == 3
+    assert regenerate_file(data, out, EchoClient([]), batch_size=2, limit=3) == 3
     with open(out, "a") as f:
         f.write('{"index": 3, "mess')  # a line cut by a kill: the rerun truncates it and writes 3 again
     calls = []
-    assert regenerate_file(data, out, echo_client(calls), batch_size=2) == 2
+    assert regenerate_file(data, out, EchoClient(calls), batch_size=2) == 2
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4] and calls == [1, 1]  # only the two left ran
     assert rows[4]["messages"] == conv("q4", "1:q4")
     # A whole record whose newline was cut is rewritten too (appending to it would join two records).
     out.write_text(out.read_text()[:-1])
-    assert regenerate_file(data, out, echo_client([]), batch_size=2) == 1
+    assert regenerate_file(data, out, EchoClient([]), batch_size=2) == 1
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2, 3, 4]
 
 
@@ -80,7 +76,7 @@ def test_shards_split_the_conversations(tmp_path):
     indices = []
     for i in range(2):
         out = tmp_path / f"shard{i}.jsonl"
-        regenerate_file(data, out, echo_client([]), batch_size=2, shard=(i, 2))
+        regenerate_file(data, out, EchoClient([]), batch_size=2, shard=(i, 2))
         indices.append([json.loads(line)["index"] for line in out.read_text().splitlines()])
     assert indices == [[0, 2, 4], [1, 3]]
 
@@ -108,6 +104,13 @@ def test_interrupt_stops_cleanly_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(regenerate_module, "EndpointClient", lambda *args: EchoClient([]))
     regenerate_module.main(command)
     assert sorted(json.loads(line)["index"] for line in out.read_text().splitlines()) == [0, 1, 2, 3, 4]
+
+
+def test_max_prompt_tokens_needs_the_target(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        regenerate_module.main(["--data", "unused", "--output", str(tmp_path / "out.jsonl"),
+                                "--endpoint", "http://unused", "--max-prompt-tokens", "8"])
+    assert stopped.value.code == 2 and "--max-prompt-tokens needs --target" in capsys.readouterr().err
 
 
 def test_engine_client_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):

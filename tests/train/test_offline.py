@@ -29,6 +29,16 @@ def test_target_ends(hf_checkpoint):
     assert all(p.is_meta for p in ends.model.layers.parameters())
 
 
+def test_target_ends_of_a_tied_target(hf_checkpoint):
+    """A tied target (qwen2 here) has no lm_head of its own: its logits come from the embedding."""
+    path, hf = hf_checkpoint("qwen2")
+    ends = load_target_ends(path, torch.float32, torch.device("cpu"))
+    assert ends.lm_head is None
+    assert torch.equal(ends.lm_head_weight, hf.state_dict()["model.embed_tokens.weight"])
+    assert torch.equal(ends.model.norm.weight, hf.state_dict()["model.norm.weight"])
+    assert all(p.is_meta for p in ends.model.layers.parameters())
+
+
 def test_target_ends_refuse_a_misshaped_tensor(hf_checkpoint, tmp_path):
     """Loaded through the strict loader: the error names the checkpoint and the tensor, not torch's copy error."""
     path = hf_checkpoint("llama")[0]
