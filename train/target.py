@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from eyas.common.architectures import random_target
 from eyas.common.assets import resolve_target
-from eyas.common.attention import CausalAttention, MaskedAttention
+from eyas.common.attention import CausalAttention
 from eyas.common.checkpoint import load_target as load_checkpoint
 from eyas.common.config import TargetConfig
 from eyas.common.target import TargetModel
@@ -67,17 +67,12 @@ def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, laye
 
 @torch.no_grad()
 def target_forward(target: TargetModel, batch: Batch, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """(aux [B, T, 3·Ht], logits [B, T, V]). Padded keys are masked out, so padding may sit at either end."""
-    input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+    """(aux [B, T, 3·Ht], logits [B, T, V]). Rows are right-padded (`Batches`), so plain causal attention is exact at
+    every real position: a real query never reaches a padded key."""
+    input_ids = batch["input_ids"]
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    if valid.all():
-        attn = CausalAttention()
-    else:  # causal over real keys; every query also sees itself, so no softmax row is empty
-        idx = torch.arange(T, device=input_ids.device)
-        mask = (idx[:, None] >= idx[None]) & (valid[:, None, :] | (idx[:, None] == idx[None]))  # [B, T, T]
-        attn = MaskedAttention(mask)
-    out = target(input_ids, positions, attn, aux_layers=aux_layers)
+    out = target(input_ids, positions, CausalAttention(), aux_layers=aux_layers)
     return out.aux, target.logits(out.hidden)
 
 

@@ -15,57 +15,82 @@ reads them at position t, and the i-th drafted token (which, when accepted, is x
 attending to the real prefix and the chain drafted so far. Training teacher-forces the true tokens along the chain
 but feeds the head its own hidden outputs, exactly as serving does. A label counts when the token it predicts,
 x_{t+2+i}, exists, is an assistant token (loss_mask) and the target's argmax at t+1+i is in the draft vocabulary,
-and position t is not padding. Padding (attention_mask 0) is supported at either end of a row, not in holes:
-with it, a real t and a real x_{t+2+i} imply that every position between them is real.
+and position t is not padding. Padding (attention_mask 0) may only end a row (right padding, as `Batches` collates):
+then a real t and a real x_{t+2+i} imply that every position between them is real, and the attention needs no
+per-row mask.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from eyas.common.attention import AttentionMetadata, sdpa
 from eyas.common.eagle3 import Eagle3Head
 from eyas.common.target import TargetOutput
 
 
-class TTTAttention(AttentionMetadata):
-    """Attention of the unrolled head, one object per unroll; `attend` is called once per step, in order.
-
-    It keeps each step's keys/values and attends over their concatenation [k_0 ‖ k_1 ‖ … ‖ k_i]
-    ([B, T·(i+1), Hkv, D]) under a bool mask [B, T, T·(i+1)]: block 0 is causal over the real
-    (non-padding) step-0 keys, blocks 1..i are diagonal (each position sees only its own chain).
-    Example, T=3, step 1 (row = query position, columns = k_0 at 0,1,2 then k_1 at 0,1,2):
+def ttt_mask_mod(T: int):
+    """The unrolled attention's mask as a FlexAttention `mask_mod(b, h, q, kv)` (True = may attend), over the
+    concatenated keys [k_0 ‖ … ‖ k_i]: key kv is step kv // T's key at position kv % T. Step 0's keys are causal;
+    a later step's key is seen only by the query at its own position (each position's own chain). Example, T=3,
+    step 1 (row = query position, columns = k_0 at 0,1,2 then k_1 at 0,1,2):
 
         1 0 0 | 1 0 0
         1 1 0 | 0 1 0
         1 1 1 | 0 0 1
+    """
+    def mask_mod(b, h, q, kv):
+        return torch.where(kv < T, kv <= q, kv % T == q)
+    return mask_mod
 
-    One fused SDPA call per step, so no [B, Hq, T, T·(i+1)] score tensor is stored. Cost: the masks kept for
-    backward are Σ_i T·T·(i+1) bools = 28·T² (117 MB per row at T=2048, k=7) and the concatenated k/v 28·T·Hkv·D
-    each. The diagonal blocks are mostly masked, so step i does (i+1)·T² score work where T²/2 + i·T would do:
-    28·T² over 7 steps, 8x causal attention. A block-sparse kernel (flex_attention) could skip the masked blocks.
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(T: int, S: int, device: torch.device) -> BlockMask:
+    """The mask's block-sparse form for T queries and S = T·(i+1) keys; rows are right-padded, so one mask serves
+    every batch of that length (8 lengths × 7 steps with the recipes' padding to multiples of 256)."""
+    return create_block_mask(ttt_mask_mod(T), None, None, T, S, device=device)
+
+
+# Compiled once for all lengths; the FlexAttention kernel skips the fully masked blocks, so step i costs about a
+# causal attention plus i·T diagonal entries instead of (i+1)·T² scores.
+_flex_attention = torch.compile(flex_attention, dynamic=True)
+
+
+class TTTAttention(AttentionMetadata):
+    """Attention of the unrolled head, one object per unroll; `attend` is called once per step, in order.
+
+    It keeps each step's keys/values and attends over their concatenation [k_0 ‖ k_1 ‖ … ‖ k_i]
+    ([B, T·(i+1), Hkv, D]) under `ttt_mask_mod`. On CUDA that is one FlexAttention call per step, whose blocks
+    that the mask empties cost nothing. Elsewhere (FlexAttention has no CPU backward) it is SDPA under the same
+    mask made dense, [T, T·(i+1)] bools, which does (i+1)·T² score work.
+
+    Padding: rows must be right-padded (as `Batches` collates them). A real query at t sees only keys at 0..t,
+    all real; a padded query sees whatever precedes it (itself at least: no empty softmax row, no NaN) and its
+    output is never counted.
     """
 
-    def __init__(self, key_valid: Tensor):
-        # key_valid [B, T] bool: False at padding. Padded keys are never attended by real queries. A padded
-        # query still sees itself (the diagonal), so no row of the softmax is empty (that would give NaN, and
-        # NaN times a zero loss weight is still NaN); its output is never counted.
-        B, T = key_valid.shape
-        idx = torch.arange(T, device=key_valid.device)
-        self.same = (idx[:, None] == idx[None]).expand(B, T, T)  # [B, T, T]
-        self.prefix = (idx[:, None] >= idx[None]) & (key_valid[:, None, :] | self.same)  # [B, T, T]
+    def __init__(self, T: int):
+        self.T = T
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.keys.append(k)
         self.values.append(v)
-        mask = torch.cat([self.prefix] + [self.same] * (len(self.keys) - 1), dim=-1)  # [B, T, T·(i+1)]
-        return sdpa(q, torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1), mask=mask)
+        keys, values = torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)  # [B, S = T·(i+1), Hkv, D]
+        T, S = self.T, keys.shape[1]
+        if q.is_cuda:
+            out = _flex_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                  block_mask=_block_mask(T, S, q.device), enable_gqa=q.shape[2] != k.shape[2])
+            return out.transpose(1, 2)
+        mask = ttt_mask_mod(T)(None, None, torch.arange(T)[:, None], torch.arange(S)[None])  # [T, S]
+        return sdpa(q, keys, values, mask=mask[None].to(q.device))
 
 
 def unroll(
@@ -73,15 +98,13 @@ def unroll(
     embed: nn.Module | Tensor,
     input_ids: Tensor,
     aux: Tensor,
-    attention_mask: Tensor,
     steps: int,
 ) -> list[Tensor]:
     """The head's outputs of steps 0..steps-1, each [B, T, H] (pre-norm), aligned as in the module docstring.
 
     embed: the target's embedding, an `nn.Embedding` or its weight [V, H]; frozen here (no gradient reaches it).
     aux [B, T, 3·Ht]: the target's captured streams (detached: the target is frozen).
-    Rotary positions are the row indices t (+ i), padding included: RoPE scores depend only on the distance
-    between query and key, so a left-padded row gives the same result as the same row unpadded.
+    Rotary positions are the row indices t (+ i). Rows are right-padded (`TTTAttention`).
     """
     B, T = input_ids.shape
     hidden = head.project_target(TargetOutput(hidden=None, aux=aux.detach()))  # [B, T, H]
@@ -92,7 +115,7 @@ def unroll(
     # by, earlier positions.
     embeds = F.pad(embeds.to(hidden.dtype), (0, 0, 0, steps))  # [B, T + steps, H]
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    attn = TTTAttention(attention_mask.bool())
+    attn = TTTAttention(T)
     outs = []
     for i in range(steps):
         hidden = head.step(embeds[:, 1 + i : 1 + i + T], hidden, positions + i, attn)
@@ -111,6 +134,18 @@ def acceptance_length(acc: Tensor) -> Tensor:
     a little, and τ with it. Example: acc [0.8, 0.5, 0.25] -> 1 + 0.8 + 0.4 + 0.1 = 2.3.
     """
     return 1 + acc.cumprod(0).sum()
+
+
+def soft_cross_entropy(logits: Tensor, p: Tensor) -> Tensor:
+    """-Σ_v p_v · log_softmax(logits)_v = logsumexp(logits) - Σ_v p_v · logits_v (for Σ_v p_v = 1), in fp32.
+    logits [..., V] (any float dtype), p [..., V] fp32 -> [...]."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+
+
+# On CUDA, compiled: the loss over a [B, T, 32k] vocab is memory-bound, and fused it reads the logits about twice
+# forward and backward instead of writing [B, T, V] fp32 intermediates (a 135M target's step: 115 -> 96 ms).
+_soft_cross_entropy_compiled = torch.compile(soft_cross_entropy, dynamic=True)
 
 
 class TTTOutput(NamedTuple):  # a tuple, whose tensors DeepSpeed's ZeRO-3 hooks can find (not so a dataclass)
@@ -159,18 +194,18 @@ def ttt_loss(
         predicts_assistant = F.pad((loss_mask.bool() & valid)[:, 1:], (0, 1))  # [B, T]
         counted = predicts_assistant & hot.t2d[target_ids]  # [B, T]
 
-    outs = unroll(head, embed, input_ids, aux, attention_mask, steps)
+    outs = unroll(head, embed, input_ids, aux, steps)
     losses, accs, counts = [], [], []
     for i, out in enumerate(outs):
         # Step i at positions t = 0..T-2-i is labelled by p(t+1+i); later positions have no label.
         n = max(T - 1 - i, 0)
-        logp = head.logits(out[:, :n]).float().log_softmax(-1)  # [B, n, draft_vocab]
-        w = counted[:, 1 + i :] & valid[:, :n]  # [B, n]: the query position must be real too (left padding)
-        ce = -(target_p[:, 1 + i :] * logp).sum(-1)  # [B, n]
+        logits = head.logits(out[:, :n])  # [B, n, draft_vocab]
+        w = counted[:, 1 + i :]  # [B, n]; a real x_{t+2+i} implies a real t (right padding)
+        ce = (_soft_cross_entropy_compiled if logits.is_cuda else soft_cross_entropy)(logits, target_p[:, 1 + i :])
         count = w.sum()
         losses.append((ce * w).sum() / count.clamp(min=1))
         with torch.no_grad():
-            correct = (hot.to_target(logp.argmax(-1)) == target_ids[:, 1 + i :]) & w
+            correct = (hot.to_target(logits.argmax(-1)) == target_ids[:, 1 + i :]) & w
             accs.append(correct.sum() / count.clamp(min=1))
         counts.append(count)
 

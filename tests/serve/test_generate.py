@@ -61,3 +61,16 @@ def test_tree_verification_through_paged_cache(hf_checkpoint):
             seq = torch.cat([prefix, torch.tensor(chain[::-1])])
             ref = model.logits(model(seq[None], torch.arange(len(seq))[None], CausalAttention()).hidden)[0, -1]
             assert (tree_logits[i] - ref).abs().max() < 1e-4, f"tree node {i}"
+
+
+def test_pool_move_reads_every_source_before_writing():
+    """Slots 2->1 and 5->2 (slot 2 both a source and a destination), in every layer's keys and values; the
+    other slots keep their contents."""
+    pool = KVPool(3, 4, 2, 2, 4, torch.float32, "cpu")
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    before = pool.kv.clone()
+    pool.move(torch.tensor([2, 5]), torch.tensor([1, 2]))
+    expected = before.clone()
+    expected[:, :, 1], expected[:, :, 2] = before[:, :, 2], before[:, :, 5]
+    assert torch.equal(pool.kv, expected)
+    assert torch.equal(pool.k[1], expected[0, 1]) and torch.equal(pool.v[2], expected[1, 2])  # the layer views
