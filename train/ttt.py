@@ -67,8 +67,8 @@ class TTTAttention(AttentionMetadata):
 
     It keeps each step's keys/values and attends over their concatenation [k_0 ‖ k_1 ‖ … ‖ k_i]
     ([B, T·(i+1), Hkv, D]) under `ttt_mask_mod`. On CUDA that is one FlexAttention call per step, whose blocks
-    that the mask empties cost nothing. Elsewhere (FlexAttention has no CPU backward) it is SDPA under the same
-    mask made dense, [T, T·(i+1)] bools, which does (i+1)·T² score work.
+    that the mask empties cost nothing. Elsewhere (FlexAttention has no CPU backward; on CUDA, none below head_dim
+    16) it is SDPA under the same mask made dense, [T, T·(i+1)] bools, which does (i+1)·T² score work.
 
     Padding: rows must be right-padded (as `Batches` collates them). A real query at t sees only keys at 0..t,
     all real; a padded query sees whatever precedes it (itself at least: no empty softmax row, no NaN) and its
@@ -85,7 +85,7 @@ class TTTAttention(AttentionMetadata):
         self.values.append(v)
         keys, values = torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)  # [B, S = T·(i+1), Hkv, D]
         T, S = self.T, keys.shape[1]
-        if q.is_cuda:
+        if q.is_cuda and q.shape[-1] >= 16:  # FlexAttention's kernels need head_dim >= 16
             out = _flex_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                   block_mask=_block_mask(T, S, q.device), enable_gqa=q.shape[2] != k.shape[2])
             return out.transpose(1, 2)
