@@ -267,7 +267,7 @@ def test_cuda_loss_equals_cpu(embed, T):
         model.zero_grad()
         out = ttt_loss(model, emb, *(x.to(device) for x in batch), steps=4)
         out.loss.backward()
-        return out, {name: p.grad.cpu() for name, p in model.named_parameters()}
+        return out, {name: p.grad.clone().cpu() for name, p in model.named_parameters()}  # a copy: `.to` moves grads in place
 
     cpu, cpu_grads = run("cpu")
     cuda, cuda_grads = run("cuda")
