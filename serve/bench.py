@@ -247,17 +247,18 @@ def main(argv: list[str] | None = None) -> None:
         off = next(r for r in results if r.batch_size == 1 and r.setting == "off") if 1 in args.batch_sizes else None
         ratio = f"; speculation off at batch 1: {off.step_ms:.2f} ms ({off.step_ms / floor:.2f}x)" if off else ""
         print(f"weight-streaming floor (linear layers alone, CUDA graph): {floor:.2f} ms{ratio}")
-    if args.compare_hf and not args.random_weights:
-        hf = hf_tokens_per_s(path, prompts[:args.num_prompts], args.output_len, args.device, dtype)
-        best = max((r.tokens_per_s for r in results if r.batch_size == 1), default=None)
-        vs = f"; eyas best at batch 1 on the same prompts: {best:.1f} tok/s ({best / hf:.2f}x)" if best else ""
-        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s{vs}")
+    # Written before the Hugging Face run, the slowest part: a run stopped there keeps the sweep.
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
     if args.autotune:
         fastest = {bs: max((r for r in results if r.batch_size == bs), key=lambda r: r.tokens_per_s)
                    for bs in args.batch_sizes}
         write_autotune(args.autotune, {bs: parse_setting(r.setting) for bs, r in fastest.items()})
+    if args.compare_hf and not args.random_weights:
+        hf = hf_tokens_per_s(path, prompts[:args.num_prompts], args.output_len, args.device, dtype)
+        best = max((r.tokens_per_s for r in results if r.batch_size == 1), default=None)
+        vs = f"; eyas best at batch 1 on the same prompts: {best:.1f} tok/s ({best / hf:.2f}x)" if best else ""
+        print(f"Hugging Face generate, batch 1: {hf:.1f} tok/s{vs}")
 
 
 if __name__ == "__main__":
