@@ -58,9 +58,14 @@ class DraftState:
     logp: Tensor  # [Vd] draft log-probs of the root's children
 
 
+def draft_states(hidden: Tensor, logp: Tensor) -> list[DraftState]:
+    """hidden [B, H], logp [B, Vd] -> one state per row (views)."""
+    return [DraftState(h, p) for h, p in zip(hidden.unbind(), logp.unbind(), strict=True)]
+
+
 class Drafter:
-    """The head inside the engine. With `graphs` enabled, decode-step passes (`extend` with `capture`, and
-    `draft_tree`) replay CUDA graphs; their inputs are then padded to fixed shapes by the engine."""
+    """The head inside the engine. With `graphs` enabled, `draft_tree` replays CUDA graphs, and the engine
+    captures `extend` in its accept phase's; their inputs are then padded to fixed shapes by the engine."""
 
     def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, attention: type[PagedAttention],
                  graphs: GraphCache):
@@ -68,32 +73,23 @@ class Drafter:
         self.graphs = graphs
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
 
-    def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor,
-               capture: bool = False) -> list[DraftState]:
-        """Feeds the draft the target's states at positions start .. start+len-1 of each request.
+    def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        """Feeds the draft the target's states at positions start .. start+len-1 of each request; a pure tensor
+        function (no host reads), so decode steps capture it with the rest of their accept phase.
 
         target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding, their KV
         lands in the request's reserved positions); next_tokens [B, T]: the token at position p + 1 for
-        each p; start, lengths [B]; table [B, M] the requests' blocks. `capture`: run as a CUDA graph
-        (decode steps; a prefill's shapes vary too much).
-        Returns each request's state at its last extended position.
+        each p; start, lengths [B]; table [B, M] the requests' blocks.
+        Returns the draft's output hidden [B, H] and log-probs [B, Vd] at each request's last extended position
+        (`draft_states` makes them per-request states).
         """
-        inputs = (target_out.hidden, next_tokens, start, lengths, table)
-        if target_out.aux is not None:
-            inputs += (target_out.aux,)
-        hidden, logp = self.graphs("extend", self._extend, *inputs) if capture else self._extend(*inputs)
-        if capture and self.graphs.capture:  # graph outputs are overwritten by the next replay
-            hidden, logp = hidden.clone(), logp.clone()
-        return [DraftState(h, p) for h, p in zip(hidden.unbind(), logp.unbind(), strict=True)]  # one view per row
-
-    def _extend(self, target_hidden: Tensor, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor,
-                aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
         B, T = next_tokens.shape
         device = next_tokens.device
         positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
         attn = self.attention(self.pool, table, start, causal_mask(T, device).expand(B, T, T))
         embeds = self.target.embed_tokens(next_tokens)
-        features = self.head.project_target(TargetOutput(hidden=target_hidden, aux=aux))
+        features = self.head.project_target(target_out)
         out = self.head.step(embeds, features, positions, attn)  # [B, T, H]
         last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
         hidden = out.gather(1, last)[:, 0]  # [B, H]

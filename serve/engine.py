@@ -17,8 +17,9 @@ Per batch size the step may draft a different tree, or none (`EngineConfig.tree_
 `bench-eagle --autotune`): the draft is extended with the accepted tokens either way, so it is ready
 whenever the batch size calls for speculation again.
 
-On CUDA with the triton backend, the target pass, the tree drafting and the draft extension of a decode
-step replay CUDA graphs (`cuda_graphs.py`): batches are padded to a bucket, block tables to full width. On
+On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
+drafting, the target pass (with greedy verification), and the accepted path's work (its KV moved into place,
+the draft extended along it). Batches are padded to a bucket, block tables to full width. On
 CUDA the models' elementwise work runs as fused Triton kernels (`kernels.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
@@ -48,7 +49,7 @@ from .attention import attention_backend
 from .attention.paged import slots_of
 from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import GraphCache, batch_bucket
-from .draft import Drafter, DraftState, TreeShape
+from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, make_generator
 from .tree import DraftTree, root_only
@@ -334,7 +335,8 @@ class Engine:
             # the first generated token).
             after = [r.tokens[s + 1 : e + 1] for r, s, e in zip(requests, starts, ends, strict=True)]
             next_tokens = torch.tensor([a + [0] * (T - len(a)) for a in after], device=device)
-            states = self.drafter.extend(out, next_tokens, prefix, torch.tensor(lengths, device=device), table)
+            states = draft_states(*self.drafter.extend(out, next_tokens, prefix, torch.tensor(lengths, device=device),
+                                                       table))
             for r, state in zip(requests, states, strict=True):
                 if not r.finished:
                     r.draft = state
@@ -369,7 +371,6 @@ class Engine:
             else:
                 out, logits = self._target_pass(tree, n, table)
                 accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B])
-            accepted, num_accepted, bonus = accepted[:B], num_accepted[:B], bonus[:B]
         with self._phase("accept"):
             self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
 
@@ -398,32 +399,24 @@ class Engine:
         out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> None:
         """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens.
-        accepted / num_accepted / bonus cover the B requests; the other tensors the B' padded rows."""
-        device, B, N = self.device, len(requests), tree.tokens.shape[1]
-        path = accepted.clamp(min=0)  # [B, N]
-        if shape is not None and shape.topk > 1:  # a chain's accepted path is its first nodes, already in place
-            self._keep_path_kv(path[:, : min(shape.num_steps + 1, N)], num_accepted, n[:B], table[:B])
-
+        accepted / num_accepted / bonus cover the B requests or the B' padded rows; the other tensors B' rows."""
+        B, N = len(requests), tree.tokens.shape[1]
         if self.drafter is not None:
-            # The draft reads the target's states along the path and, at each node, the token after it.
             # Graphs take a fixed length: the deepest path any tree can accept.
             depth = shape.num_steps if shape else 0
-            T = min(depth + 1, N) if self.graphs.enabled else int(num_accepted.max()) + 1
-            nodes = path[:, :T]  # [B, T]
-            lengths = num_accepted + 1
-            after = torch.cat([tree.tokens[:B].gather(1, path[:, 1:T]), bonus[:, None]], dim=1)  # [B, T]
-            is_last = torch.arange(T, device=device)[None] == num_accepted[:, None]
-            next_tokens = torch.where(is_last, bonus[:, None], after)
-            pad = len(n) - B  # padding rows: node 0, token 0, length 1
-            if pad:
-                nodes, next_tokens = (F.pad(x, (0, 0, 0, pad)) for x in (nodes, next_tokens))
-                lengths = F.pad(lengths, (0, pad), value=1)
-            states = self.drafter.extend(
-                TargetOutput(hidden=_rows(out.hidden, nodes), aux=None if out.aux is None else _rows(out.aux, nodes)),
-                next_tokens, n, lengths, table, capture=True,
-            )
+            T = min(depth + 1, N) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
+            move = shape is not None and shape.topk > 1  # a chain's accepted path is its first nodes, in place
+            pad = len(n) - len(num_accepted)  # sampling verified B rows: padding rows accept nothing
+            path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in
+                             (accepted.clamp(min=0), num_accepted, bonus))
+            inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
+            fn = functools.partial(self._follow_path, T, move)
+            hidden, logp = self.graphs(f"accept, path {T}, move {move}", fn, *inputs)
+            if self.graphs.capture:  # graph outputs are overwritten by the next replay
+                hidden, logp = hidden.clone(), logp.clone()
+            states = draft_states(hidden, logp)
         # One copy to the host: per request [num_accepted, bonus, accepted path (N), tree tokens (N)].
-        host = torch.cat([num_accepted[:, None], bonus[:, None], accepted, tree.tokens[:B]], dim=1).tolist()
+        host = torch.cat([num_accepted[:B, None], bonus[:B, None], accepted[:B], tree.tokens[:B]], dim=1).tolist()
         for b, request in enumerate(requests):
             m, bonus_token, path_host, tokens_host = host[b][0], host[b][1], host[b][2 : 2 + N], host[b][2 + N :]
             request.cached += m + 1
@@ -431,6 +424,23 @@ class Engine:
                 request.draft = states[b]
                 request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
+
+    def _follow_path(self, T: int, move: bool, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor,
+                     hidden: Tensor, n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The accepted path's device work, one CUDA graph per (bucket, T): with `move`, its target KV moved into
+        place; then the draft extended along its first T nodes (rows past num_accepted + 1 are padding).
+        path [B', N] node indices (accepted, -1 as 0); num_accepted, bonus, n [B']; tokens [B', N]; hidden
+        [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows accept nothing and write to the scratch
+        block. -> the draft's (hidden [B', H], logp [B', Vd]) at each row's last accepted node."""
+        nodes = path[:, :T]  # [B', T]
+        if move:
+            self._keep_path_kv(nodes, num_accepted, n, table)
+        # The draft reads the target's states along the path and, at each node, the token after it.
+        after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
+        is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
+        next_tokens = torch.where(is_last, bonus[:, None], after)
+        states = TargetOutput(hidden=_rows(hidden, nodes), aux=None if aux is None else _rows(aux, nodes))
+        return self.drafter.extend(states, next_tokens, n, num_accepted + 1, table)
 
     def _keep_path_kv(self, path: Tensor, num_accepted: Tensor, n: Tensor, table: Tensor) -> None:
         """Moves the accepted path's KV into place: node path[b, j] from position n + path[b, j] to n + j.
