@@ -9,8 +9,10 @@ block tables to the context's block count, draft extensions to the tree depth.
     out = graphs("verify", forward_fn, tokens, positions, table, prefix, mask)   # same as forward_fn(...)
 
 The function must be a pure function of its tensor arguments (no host synchronisation, no Python
-branches on tensor values) and return a tuple of tensors. The returned tensors are the graph's static
-outputs: the next replay of the same graph overwrites them, so callers copy what they keep.
+branches on tensor values) and return a tuple of tensors. Writes it makes (KV entries) must be idempotent:
+the first call of each shape runs it three times on that call's inputs (two warm-ups, then the replay). The
+returned tensors are the graph's static outputs: the next replay of the same graph overwrites them, so callers
+copy what they keep.
 """
 
 from __future__ import annotations

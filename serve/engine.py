@@ -18,8 +18,8 @@ Per batch size the step may draft a different tree, or none (`EngineConfig.tree_
 whenever the batch size calls for speculation again.
 
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
-drafting, the target pass (with greedy verification), and the accepted path's work (its KV moved into place,
-the draft extended along it). Batches are padded to a bucket, block tables to full width. On
+drafting, the target pass (with greedy verification), and the draft's extension along the accepted path with
+its inputs. Batches are padded to a bucket, block tables to full width. On
 CUDA the models' elementwise work runs as fused Triton kernels (`kernels.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
@@ -409,9 +409,10 @@ class Engine:
             pad = len(n) - len(num_accepted)  # sampling verified B rows: padding rows accept nothing
             path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in
                              (accepted.clamp(min=0), num_accepted, bonus))
+            if move:  # eager: a move is not idempotent, and a graph's first call runs its function thrice
+                self._keep_path_kv(path[:, :T], m, n, table)
             inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
-            fn = functools.partial(self._follow_path, T, move)
-            hidden, logp = self.graphs(f"accept, path {T}, move {move}", fn, *inputs)
+            hidden, logp = self.graphs(f"accept, path {T}", functools.partial(self._follow_path, T), *inputs)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
                 hidden, logp = hidden.clone(), logp.clone()
             states = draft_states(hidden, logp)
@@ -425,16 +426,14 @@ class Engine:
                 request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
 
-    def _follow_path(self, T: int, move: bool, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor,
-                     hidden: Tensor, n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The accepted path's device work, one CUDA graph per (bucket, T): with `move`, its target KV moved into
-        place; then the draft extended along its first T nodes (rows past num_accepted + 1 are padding).
-        path [B', N] node indices (accepted, -1 as 0); num_accepted, bonus, n [B']; tokens [B', N]; hidden
-        [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows accept nothing and write to the scratch
-        block. -> the draft's (hidden [B', H], logp [B', Vd]) at each row's last accepted node."""
+    def _follow_path(self, T: int, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,
+                     n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The draft extended along the accepted path's first T nodes (rows past num_accepted + 1 are padding),
+        one CUDA graph per (bucket, T). path [B', N] node indices (accepted, -1 as 0); num_accepted, bonus,
+        n [B']; tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows accept
+        nothing and write to the scratch block. -> the draft's (hidden [B', H], logp [B', Vd]) at each row's
+        last accepted node."""
         nodes = path[:, :T]  # [B', T]
-        if move:
-            self._keep_path_kv(nodes, num_accepted, n, table)
         # The draft reads the target's states along the path and, at each node, the token after it.
         after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
         is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
