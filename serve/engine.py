@@ -405,14 +405,15 @@ class Engine:
             # Graphs take a fixed length: the deepest path any tree can accept.
             depth = shape.num_steps if shape else 0
             T = min(depth + 1, N) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
-            move = shape is not None and shape.topk > 1  # a chain's accepted path is its first nodes, in place
+            move = shape is not None and shape.topk > 1
             pad = len(n) - len(num_accepted)  # sampling verified B rows: padding rows accept nothing
             path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in
                              (accepted.clamp(min=0), num_accepted, bonus))
-            if move:  # eager: a move is not idempotent, and a graph's first call runs its function thrice
-                self._keep_path_kv(path[:, :T], m, n, table)
             inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
-            hidden, logp = self.graphs(f"accept, path {T}", functools.partial(self._follow_path, T), *inputs)
+            hidden, logp, *moves = self.graphs(f"accept, path {T}, move {move}",
+                                               functools.partial(self._follow_path, T, move), *inputs)
+            if moves:  # eager, after the graph: a move is not idempotent, and a graph's first call runs thrice
+                self.pool.move(*moves)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
                 hidden, logp = hidden.clone(), logp.clone()
             states = draft_states(hidden, logp)
@@ -426,29 +427,29 @@ class Engine:
                 request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
 
-    def _follow_path(self, T: int, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,
-                     n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The draft extended along the accepted path's first T nodes (rows past num_accepted + 1 are padding),
-        one CUDA graph per (bucket, T). path [B', N] node indices (accepted, -1 as 0); num_accepted, bonus,
-        n [B']; tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows accept
-        nothing and write to the scratch block. -> the draft's (hidden [B', H], logp [B', Vd]) at each row's
-        last accepted node."""
+    def _follow_path(self, T: int, move: bool, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor,
+                     hidden: Tensor, n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, ...]:
+        """The accepted path's device work but the KV move, one CUDA graph per (bucket, T, move): the draft extended
+        along the path's first T nodes (rows past num_accepted + 1 are padding) and, with `move`, the slots its
+        target KV moves between. path [B', N] node indices (accepted, -1 as 0); num_accepted, bonus, n [B'];
+        tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows accept nothing
+        and write to the scratch block. -> the draft's hidden [B', H] and logp [B', Vd] at each row's last
+        accepted node, then with `move` the source and destination slots [B'·T] (`KVPool.move`)."""
         nodes = path[:, :T]  # [B', T]
         # The draft reads the target's states along the path and, at each node, the token after it.
         after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
         is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
         next_tokens = torch.where(is_last, bonus[:, None], after)
         states = TargetOutput(hidden=_rows(hidden, nodes), aux=None if aux is None else _rows(aux, nodes))
-        return self.drafter.extend(states, next_tokens, n, num_accepted + 1, table)
-
-    def _keep_path_kv(self, path: Tensor, num_accepted: Tensor, n: Tensor, table: Tensor) -> None:
-        """Moves the accepted path's KV into place: node path[b, j] from position n + path[b, j] to n + j.
-        path [B, T] covers the deepest path the tree allows (fixed shape, no host sync); columns past a row's
-        path, and nodes already in place, copy a slot onto itself."""
-        j = torch.arange(path.shape[1], device=path.device)
-        source = torch.where(j <= num_accepted[:, None], path, j)  # [B, T]
-        slots = (slots_of(table, n[:, None] + nodes, self.pool.block_size).flatten() for nodes in (source, j[None]))
-        self.pool.move(*slots)
+        drafted = self.drafter.extend(states, next_tokens, n, num_accepted + 1, table)
+        if not move:  # a chain's accepted path is its first nodes, already in place
+            return drafted
+        # Node nodes[b, j] moves from position n + nodes[b, j] to n + j; columns past a row's path, and nodes
+        # already in place, copy a slot onto itself.
+        j = torch.arange(T, device=path.device)
+        source = torch.where(j <= num_accepted[:, None], nodes, j)  # [B', T]
+        slots = (slots_of(table, n[:, None] + x, self.pool.block_size).flatten() for x in (source, j[None]))
+        return drafted + tuple(slots)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""
