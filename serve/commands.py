@@ -32,8 +32,9 @@ def engine_options(args) -> dict:
 def add_engine_arguments(parser) -> None:
     """The engine options every serving command shares: `--attention` and `--disable-cuda-graph`."""
     parser.add_argument("--attention", choices=BACKENDS, default="auto",
-                        help="attention backend: triton (paged kernels, CUDA graphs), torch (reference), or auto: "
-                             "triton on CUDA when installed (default)")
+                        help="attention backend: triton (paged kernels, CUDA graphs), flashinfer (needs "
+                             "flashinfer-python; no CUDA graphs), torch (reference), or auto: triton on CUDA when "
+                             "installed (default)")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="run decode steps eagerly (CUDA graphs are on by default with the triton backend)")
 

@@ -2,6 +2,8 @@
 
 `torch` (torch_sdpa.py) gathers keys and runs SDPA: the reference, runs anywhere. `triton` (triton_paged.py)
 reads the cache in place and launches no host-dependent shapes, so it can be captured in CUDA graphs.
+`flashinfer` (flashinfer_paged.py) runs FlashInfer's paged prefill under a custom mask, eagerly (it plans on
+the host); it needs `flashinfer-python` and CUDA.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from .paged import PagedAttention
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
@@ -29,4 +31,10 @@ def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
         if not available():
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
         return TritonPagedAttention
+    if name == "flashinfer":
+        if device.type != "cuda" or not importlib.util.find_spec("flashinfer"):
+            raise ValueError("the flashinfer attention backend needs a CUDA device and flashinfer-python installed")
+        from .flashinfer_paged import FlashInferPagedAttention
+
+        return FlashInferPagedAttention
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")

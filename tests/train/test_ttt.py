@@ -267,7 +267,8 @@ def test_cuda_loss_equals_cpu(embed, T):
         model.zero_grad()
         out = ttt_loss(model, emb, *(x.to(device) for x in batch), steps=4)
         out.loss.backward()
-        return out, {name: p.grad.clone().cpu() for name, p in model.named_parameters()}  # a copy: `.to` moves grads in place
+        # Copies: the next run's `.to` moves the module's grads in place.
+        return out, {name: p.grad.clone().cpu() for name, p in model.named_parameters()}
 
     cpu, cpu_grads = run("cpu")
     cuda, cuda_grads = run("cuda")

@@ -1,0 +1,107 @@
+"""Random paged-KV views and the torch reference every attention backend is compared with (fp32 reference on the
+same inputs; tolerance |err| <= tol + tol |ref|). Cache slots no query may read hold poison (large keys, values
+1000), so reading one key too many cannot hide under the tolerance."""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from eyas.serve.attention.paged import slots_of
+from eyas.serve.attention.torch_sdpa import TorchPagedAttention
+from eyas.serve.kv_cache import KVPool
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}  # atol = rtol
+LAYER = 1  # of 2: the backend must index the pool by layer
+
+
+@dataclass(frozen=True)
+class Case:
+    """kind: 'tree' (query t is window key W - T + t, sees itself and random earlier window keys; decode is
+    T = W = 1, a draft pass W > T) or 'causal' (prefill: sees every earlier window key)."""
+
+    kind: str
+    B: int
+    T: int
+    W: int
+    max_prefix: int
+    Hkv: int = 8
+    group: int = 4
+    D: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    block_size: int = 16
+    padding: int = 0  # last rows: no prefix, all-False window (output must be exactly 0)
+    num_splits: int | None = None  # None: the backend's choice
+    seed: int = 0
+
+
+def make_view(case: Case, device: str):
+    """A random pool and view -> (pool, block_table, prefix_lens, window_mask, q, k, v)."""
+    c, gen = case, torch.Generator().manual_seed(case.seed)
+    data = torch.Generator(device).manual_seed(case.seed)  # the bulk (pool contents) is drawn on the device
+    real = torch.arange(c.B) < c.B - c.padding
+    prefix = torch.randint(0, c.max_prefix + 1, (c.B,), generator=gen)
+    prefix[0] = 0  # window only
+    prefix[1 % c.B] = c.max_prefix
+    prefix = torch.where(real, prefix, 0)
+
+    t = torch.arange(c.T)[:, None] + (c.W - c.T)  # window key of query t
+    w = torch.arange(c.W)[None, :]
+    if c.kind == "causal":
+        mask = (w <= t).expand(c.B, c.T, c.W)  # an expanded view (strides 0): no padding rows here
+    else:
+        mask = (w == t) | ((w < t) & (torch.rand(c.B, c.T, c.W, generator=gen) < 0.5))
+        mask = mask & real[:, None, None]
+
+    # Each row owns M random, non-contiguous blocks, one more than it needs (the table's tail is never read).
+    M = -(-(c.max_prefix + c.W) // c.block_size) + 1
+    num_blocks = c.B * M + 3
+    block_table = torch.randperm(num_blocks, generator=gen)[: c.B * M].view(c.B, M).int()
+
+    # Poison everywhere, then real keys at each row's positions [0, prefix + W - T): its prefix and the window
+    # keys already in the cache; attend writes the last T.
+    pool = KVPool(2, num_blocks, c.block_size, c.Hkv, c.D, c.dtype, device)
+    pool.k[LAYER].copy_(10 * torch.randn(pool.k[LAYER].shape, generator=data, device=device))
+    pool.v[LAYER].fill_(1000.0)
+    positions = torch.arange(M * c.block_size).expand(c.B, -1)
+    cached = slots_of(block_table, positions, c.block_size)[positions < (prefix + c.W - c.T)[:, None]].to(device)
+    for cache in (pool.k, pool.v):
+        cache[LAYER][cached] = torch.randn(len(cached), c.Hkv, c.D, generator=data, device=device).to(c.dtype)
+
+    q = torch.randn(c.B, c.T, c.Hkv * c.group, c.D, generator=data, device=device)
+    k, v = (torch.randn(c.B, c.T, c.Hkv, c.D, generator=data, device=device) for _ in range(2))
+    q, k, v = (x.to(c.dtype) for x in (q, k, v))
+    return pool, block_table.to(device), prefix.int().to(device), mask.to(device), q, k, v
+
+
+def reference(pool: KVPool, block_table, prefix_lens, window_mask, q, k, v):
+    """TorchPagedAttention in fp32 on an fp32 copy of the pool -> (output, that pool)."""
+    ref_pool = copy.copy(pool)
+    ref_pool.k, ref_pool.v = [x.float() for x in pool.k], [x.float() for x in pool.v]
+    out = TorchPagedAttention(ref_pool, block_table, prefix_lens, window_mask).attend(
+        LAYER, q.float(), k.float(), v.float())
+    return out, ref_pool
+
+
+def compare(case: Case, device: str, backend) -> float:
+    """Runs `backend(pool, block_table, prefix_lens, window_mask)` (a PagedAttention) and the reference on one
+    random view; asserts they agree; -> max abs error."""
+    pool, block_table, prefix_lens, window_mask, q, k, v = make_view(case, device)
+    ref, ref_pool = reference(pool, block_table, prefix_lens, window_mask, q, k, v)
+    out = backend(pool, block_table, prefix_lens, window_mask).attend(LAYER, q, k, v)
+
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.equal(pool.k[LAYER].float(), ref_pool.k[LAYER])  # both wrote the new k/v to the same slots
+    if case.padding:
+        assert (out[-case.padding:] == 0).all()
+    tol = TOLERANCE[case.dtype]
+    err = (out.float() - ref).abs()
+    bad = err > tol + tol * ref.abs()
+    assert not bad.any(), f"{case}: {int(bad.sum())} elements off, max abs error {err.max():.3g}"
+    return float(err.max())
+
+
+def case_id(case: Case) -> str:
+    splits = "" if case.num_splits is None else f"-s{case.num_splits}"
+    return (f"{case.kind}-B{case.B}-T{case.T}-W{case.W}-P{case.max_prefix}-g{case.group}-D{case.D}-"
+            f"{str(case.dtype)[6:]}-bs{case.block_size}{splits}")
