@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
     add_engine_arguments(parser)
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
-                        help="share of free GPU memory each engine's KV cache takes (lower it to share a GPU)")
+                        help="share of free GPU memory the KV caches take: the speculative engine's half of it "
+                             "and the baseline as many blocks (all of it with --no-baseline); lower it to share a GPU")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
     parser.add_argument("--output", type=Path, default=Path("eval"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -239,11 +240,15 @@ def main(argv: list[str] | None = None) -> None:
     else:
         target, head, tokenizer, _ = load_models(args.target, args.draft, args.token_map, args.device)
         settings["tree"] = asdict(tree)
-        config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=args.mem_fraction,
-                              **engine_options(args))
-        client_on = EngineClient(Engine(target, head, config), tokenizer, params, args.max_new_tokens)
+        # With a baseline, the speculative engine takes half the share, and the baseline as many KV blocks (built
+        # second, a share of what was then free would leave it a fraction: fewer rows at once, a slower baseline).
+        share = args.mem_fraction if args.no_baseline else args.mem_fraction / 2
+        config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=share, **engine_options(args))
+        engine_on = Engine(target, head, config)
+        client_on = EngineClient(engine_on, tokenizer, params, args.max_new_tokens)
         client_off = None if args.no_baseline else EngineClient(
-            Engine(target, None, replace(config, speculative=False)), tokenizer, params, args.max_new_tokens)
+            Engine(target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks)),
+            tokenizer, params, args.max_new_tokens)
     report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
                              args.concurrency)
     write_report(args.output, report, stats)

@@ -238,10 +238,34 @@ def test_bad_completion_prompt(server):
     assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server):
+@contextlib.contextmanager
+def decoding_held(server, monkeypatch):
+    """Holds the engine before its next decode step (a request's first token comes from its prefill) until the
+    block has exited and the server has queued the abort, so the request cannot finish before the client leaves,
+    however slow the machine."""
+    engine, worker, release = server.worker.engine, server.worker, threading.Event()
+    decode = engine._decode
+
+    def held(requests):
+        release.wait(10)
+        return decode(requests)
+
+    monkeypatch.setattr(engine, "_decode", held)
+    aborted = server.metric("eyas_requests_finished_total", reason="abort")
+    try:
+        yield
+        deadline = time.monotonic() + 10
+        while worker._inbox.empty() and server.metric("eyas_requests_finished_total", reason="abort") == aborted:
+            assert time.monotonic() < deadline, "the server did not notice the client leave"
+            time.sleep(0.01)
+    finally:
+        release.set()
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     aborted = server.metric("eyas_requests_finished_total", reason="abort")
     body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+    with decoding_held(server, monkeypatch), httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         assert server.metric("eyas_kv_blocks_free") < server.num_blocks  # the request holds blocks
@@ -249,10 +273,10 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
 
 
-def test_client_disconnect_without_streaming_aborts(server):
+def test_client_disconnect_without_streaming_aborts(server, monkeypatch):
     aborted = server.metric("eyas_requests_finished_total", reason="abort")
     body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+    with decoding_held(server, monkeypatch), pytest.raises(httpx.ReadTimeout):  # the client gives up and leaves
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
     server.wait_idle()
     assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
