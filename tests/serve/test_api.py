@@ -179,6 +179,7 @@ def test_models_health_metrics(server):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    server.wait_idle()  # the engine gauges are set just after the answer goes out
     exported = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
                 for s in f.samples if not s.labels}
     assert exported["eyas_kv_blocks_free"] == server.num_blocks and exported["eyas_generation_tokens_total"] >= 4
@@ -268,7 +269,11 @@ def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     with decoding_held(server, monkeypatch), httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert server.metric("eyas_kv_blocks_free") < server.num_blocks  # the request holds blocks
+        # The request holds blocks (the gauge is set just after the first token goes out: wait for it).
+        deadline = time.monotonic() + 10
+        while server.metric("eyas_kv_blocks_free") == server.num_blocks:
+            assert time.monotonic() < deadline, "the request holds no KV blocks"
+            time.sleep(0.01)
     server.wait_idle()
     assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
 
