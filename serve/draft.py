@@ -64,8 +64,8 @@ def draft_states(hidden: Tensor, logp: Tensor) -> list[DraftState]:
 
 
 class Drafter:
-    """The head inside the engine. With `graphs` enabled, `draft_tree` replays CUDA graphs, and the engine
-    captures `extend` in its accept phase's; their inputs are then padded to fixed shapes by the engine."""
+    """The head inside the engine. With `graphs` enabled, `draft_tree` replays CUDA graphs and the engine
+    captures `extend` in its accept phase's graph; their inputs are then padded to fixed shapes by the engine."""
 
     def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, attention: type[PagedAttention],
                  graphs: GraphCache):
