@@ -92,17 +92,22 @@ def regenerate(conversations: Iterable[tuple[int, Conversation]], client: Client
 
 
 def written_indices(output: Path, repair: bool = False) -> set[int]:
-    """The indices of the conversations already in `output`. A line cut by a kill ends what stands; with
-    `repair` the file is truncated there, so that appending continues it cleanly."""
+    """The indices of the conversations already in `output`. A last line cut by a kill does not count; with
+    `repair` the file is truncated before it, so that appending continues it cleanly. A bad line before the last
+    is an error (ValueError naming it): truncating there would drop the good records after it."""
     done, good = set(), 0  # `good`: bytes of whole lines
     if output.exists():
         data = output.read_bytes()
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break  # cut mid-write (even if the JSON is whole): rewritten by the next run
+        lines = data.splitlines(keepends=True)
+        for number, line in enumerate(lines, 1):
             try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no line end")  # cut mid-write (even if the JSON is whole)
                 done.add(json.loads(line)["index"])
-            except (json.JSONDecodeError, KeyError):
+            except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
+                if number < len(lines):
+                    raise ValueError(f"{output}, line {number}: not a regenerated conversation ({e!r}); "
+                                     "fix or remove that line to resume") from e
                 break
             good += len(line)
         if repair and good < len(data):

@@ -10,7 +10,7 @@ from eyas.serve import regenerate as regenerate_module
 from eyas.serve.clients import Answer, Client, EngineClient
 from eyas.serve.engine import Engine, EngineConfig
 from eyas.serve.generate import greedy_tokens
-from eyas.serve.regenerate import regenerate, regenerate_file
+from eyas.serve.regenerate import regenerate, regenerate_file, written_indices
 from eyas.serve.sampling import SamplingParams
 from tests.conftest import make_hf_model
 
@@ -131,3 +131,14 @@ def test_engine_client_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
     assert first.text == expected[0] and refused is None
     client = EngineClient(engine, tok, SamplingParams(temperature=0), 12)
     assert [a.text for a in client.answer(prompts)] == expected
+
+
+def test_a_bad_line_before_the_last_is_named_not_truncated(tmp_path):
+    output = tmp_path / "regen.jsonl"
+    good = [json.dumps({"index": i, "messages": []}) + "\n" for i in range(3)]
+    output.write_text(good[0] + "{not json\n" + good[1] + good[2][:10])
+    with pytest.raises(ValueError, match="line 2"):
+        written_indices(output, repair=True)
+    assert output.read_text().endswith(good[2][:10])  # nothing truncated
+    output.write_text(good[0] + good[1] + good[2][:10])  # only the last line cut: repaired
+    assert written_indices(output, repair=True) == {0, 1} and output.read_text() == good[0] + good[1]
