@@ -51,6 +51,7 @@ class ModelConfig:
     draft_vocab_size: int = 32000  # capped at the target's vocab
     aux_layers: list[int] | None = None  # layers the fused streams enter; None: [2, L//2, L-3]
     init_from_target: bool = True  # lm_head rows and final norm copied from the target (trainer.build_head)
+    init_from: str | None = None  # an EAGLE-3 head directory (a run's final/) to train further (trainer.build_head)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bf16 or fp32
 
     def __post_init__(self):

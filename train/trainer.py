@@ -24,6 +24,7 @@ train.data) or `data.synthetic`; with `data.eval_fraction`, the held-out rows ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -46,9 +47,9 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from eyas.common.assets import resolve_target
-from eyas.common.config import TargetConfig, read_json
+from eyas.common.config import ConfigError, TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
-from eyas.common.head_checkpoint import export_speculators, save_eagle3
+from eyas.common.head_checkpoint import export_speculators, load_draft_head, save_eagle3
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
@@ -114,14 +115,27 @@ def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
     return Eagle3Config.for_target(target, min(cfg.draft_vocab_size, target.vocab_size), aux_layers=aux)
 
 
-def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab, init_from_target: bool) -> Eagle3Head:
-    """A head of `config` (`head_config`). With `init_from_target`, the parts whose meaning the target fixes
-    start from it: lm_head row i = the target's lm_head row of token hot_ids[i], and the final norm = the
-    target's final norm (the head's output plays the role of the target's last residual stream). The rest
-    (fc, the layer) is PyTorch's default init: there is no target counterpart of their 2H/3H-wide inputs."""
+def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab, cfg: ModelConfig) -> Eagle3Head:
+    """A head of `config` (`head_config`).
+
+    With `cfg.init_from`, the head of an earlier run (its `final/`) is trained further: its weights and its draft
+    vocabulary (`hot`, counted on this run's data, is unused: the lm_head rows keep their tokens). Refused unless
+    shaped as `config`. Else, with `cfg.init_from_target`, the parts whose meaning the target fixes start from it:
+    lm_head row i = the target's lm_head row of token hot_ids[i], and the final norm = the target's final norm (the
+    head's output plays the role of the target's last residual stream). The rest (fc, the layer) is PyTorch's
+    default init: there is no target counterpart of their 2H/3H-wide inputs."""
+    if cfg.init_from is not None:
+        head = load_draft_head(cfg.init_from, dtype=torch.float32)
+        found = head.config if isinstance(head, Eagle3Head) else None
+        if found != config:
+            differ = [f"{f.name} {getattr(found, f.name)} (recipe: {getattr(config, f.name)})"
+                      for f in dataclasses.fields(config) if getattr(found, f.name) != getattr(config, f.name)]
+            raise ConfigError(f"model.init_from {cfg.init_from}: " + (
+                f"the head differs from the recipe's: {', '.join(differ)}" if found else "not an EAGLE-3 head"))
+        return head.train()
     head = Eagle3Head(config)
     head.set_hot_vocab(hot)
-    if init_from_target:
+    if cfg.init_from_target:
         with torch.no_grad():
             rows = hot.hot_ids.to(target.lm_head_weight.device)
             head.lm_head.weight.copy_(target.lm_head_weight.index_select(0, rows))
@@ -229,7 +243,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     aux_layers = config.aux_layers_for(target.config)
     data = _prepare_data(recipe, target, aux_layers, rank)
     batches, eval_batches = data.train, data.eval
-    head = build_head(config, target, data.hot, recipe.model.init_from_target)
+    head = build_head(config, target, data.hot, recipe.model)
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
     engine, _, _, _ = deepspeed.initialize(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import triton_interpreter
-from tests.serve.paged_views import LAYER, Case, case_id, compare, make_view, reference
+from tests.serve.paged_views import GPU_CASES, LAYER, Case, case_id, compare, make_view, reference
 
 pytest.importorskip("triton", reason="triton is not installed (the Triton backend is optional)")
 from eyas.serve.attention import triton_paged  # noqa: E402
@@ -25,28 +25,6 @@ from eyas.serve.attention import triton_paged  # noqa: E402
 def check(case: Case, device: str) -> float:
     """The Triton backend against the reference on one random view (`paged_views.compare`)."""
     return compare(case, device, functools.partial(triton_paged.TritonPagedAttention, num_splits=case.num_splits))
-
-
-# --- CUDA: the engine's shapes (Llama-3.1-8B: Hkv 8 x group 4, D 128; SmolLM2-135M: Hkv 3 x group 3, D 64) ---
-GPU_CASES = [
-    Case("tree", B=1, T=1, W=1, max_prefix=8192),  # batch-1 decode: split-KV
-    Case("tree", B=4, T=1, W=1, max_prefix=8192, padding=1),
-    Case("tree", B=64, T=1, W=1, max_prefix=2048, padding=5),  # enough programs: no split
-    Case("tree", B=1, T=48, W=48, max_prefix=1024),  # verification
-    Case("tree", B=8, T=64, W=64, max_prefix=4096, padding=2),
-    Case("tree", B=16, T=8, W=40, max_prefix=2048, padding=3),  # draft pass over a tree frontier
-    Case("tree", B=64, T=8, W=64, max_prefix=1024, block_size=32),
-    Case("causal", B=1, T=2048, W=2048, max_prefix=0),  # prefill
-    Case("causal", B=2, T=2048, W=2048, max_prefix=2048),  # extend
-    Case("causal", B=4, T=300, W=300, max_prefix=700, block_size=64),
-    Case("tree", B=32, T=1, W=1, max_prefix=4096, Hkv=3, group=3, D=64, padding=4),
-    Case("tree", B=4, T=16, W=16, max_prefix=2000, Hkv=3, group=3, D=64),
-    Case("causal", B=2, T=512, W=512, max_prefix=300, Hkv=3, group=3, D=64),
-    Case("tree", B=4, T=32, W=32, max_prefix=1000, dtype=torch.float32, padding=1),
-    Case("tree", B=3, T=5, W=20, max_prefix=3000, Hkv=4, group=1, dtype=torch.float32),
-    Case("tree", B=2, T=4, W=4, max_prefix=5000, num_splits=7),
-    Case("tree", B=64, T=1, W=1, max_prefix=100, num_splits=3, padding=7),  # many empty splits
-]
 
 
 @pytest.mark.gpu

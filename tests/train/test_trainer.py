@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.train import checkpoint
 from eyas.train.config import load_recipe
@@ -79,6 +80,27 @@ def test_zero3_matches_zero1(full_run, tmp_path):
     zero1, zero3 = load_draft_head(run / "final", target), load_draft_head(tmp_path / "final", target)
     for name, tensor in zero1.state_dict().items():
         torch.testing.assert_close(zero3.state_dict()[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_init_from_trains_an_earlier_head_further(full_run, tmp_path):
+    """At lr 0 the continued head is exported as it was loaded: its weights and its draft vocabulary, not the one
+    counted on this run's data (shifted here by another data seed)."""
+    recipe, run = full_run
+    more = ["optim.lr=0", "optim.min_lr=0", "optim.total_steps=2", "data.synthetic.seed=5"]
+    assert train(load_recipe("ci-tiny", QUIET + more + [f"model.init_from={run / 'final'}"]), tmp_path)
+    want, got = load_file(run / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    fresh = train(load_recipe("ci-tiny", QUIET + more), tmp_path / "fresh")
+    assert not torch.equal(load_file(fresh / "model.safetensors")["d2t"], want["d2t"])
+
+
+def test_init_from_refuses_a_head_of_another_shape(full_run, tmp_path):
+    _, run = full_run
+    recipe = load_recipe("ci-tiny", QUIET + [f"model.init_from={run / 'final'}", "model.draft_vocab_size=100"])
+    with pytest.raises(ConfigError, match=r"model.init_from .*draft_vocab_size \d+ \(recipe: 100\)"):
+        train(recipe, tmp_path)
 
 
 def test_deepspeed_extra_merges_into_sections():
