@@ -13,6 +13,7 @@ where present).
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import shutil
@@ -178,6 +179,15 @@ def resolve_asset(spec: str | Path, kind: str = "data") -> Path:
     names = sorted(name for name, a in ASSETS.items() if a.filename.endswith(".gguf") == is_model)
     what = "packaged model" if is_model else "packaged data set"
     raise FileNotFoundError(f"{kind} '{spec}' is neither an existing path nor a {what} ({', '.join(names)})")
+
+
+def resolve_asset_argument(parser: argparse.ArgumentParser, flag: str, spec: str) -> Path:
+    """`resolve_asset` for a command line, called after parsing (not as a `type=`, which would fetch a packaged
+    asset before the other flags are checked): a bad value is a usage error naming the flag and the reason."""
+    try:
+        return resolve_asset(spec)
+    except (FileNotFoundError, AssetError) as e:
+        parser.error(f"argument {flag}: {e}")
 
 
 def resolve_target(spec: str | Path) -> Path:

@@ -57,6 +57,16 @@ def _speculators_layer_config(cfg: dict[str, Any], source: str) -> dict[str, Any
     return merged
 
 
+def head_config_path(path: str | Path) -> Path:
+    """A head directory's config.json; FileNotFoundError naming the directory and what it lacks (cheap: callers
+    check before loading anything large)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        missing = "no config.json" if Path(path).is_dir() else "no such directory"
+        raise FileNotFoundError(f"draft head {path}: {missing}")
+    return config
+
+
 def load_draft_head(
     path: str | Path,
     target: TargetModel | None = None,
@@ -68,9 +78,7 @@ def load_draft_head(
     """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head; `token_map`
     (an FR-Spec `freq_N.pt`) restricts it. `dtype` None keeps the checkpoint's."""
     path = Path(path)
-    source = str(path / "config.json")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"draft head {path}: no config.json")
+    source = str(head_config_path(path))
     cfg = read_json(path / "config.json")
     kind = head_kind(cfg, source)
     tensors = read_weights_dir(path)

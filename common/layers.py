@@ -125,12 +125,18 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's q and k, before rotary.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, k, cos, sin)
@@ -146,9 +152,40 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections`
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.kernels.silu_mul(gate, up))
 
 
 KERNEL_USERS = (RMSNorm, Attention, MLP)  # the modules whose `kernels` the server replaces
+
+
+def _joint_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing `parts` side by side: their weights (and biases) stacked along the output."""
+    first = parts[0]
+    joint = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                      device="meta")
+    joint.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if first.bias is not None:
+        joint.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return joint
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> None:
+    """Inference: each attention's q, k and v projections become one matmul, each MLP's gate and up another. At
+    a decode step's few tokens every projection is a memory-bound read of its weight, and three small reads
+    cost more launches and tail time than one large one. The separate Linears are dropped (the state dict
+    changes: not for training or saving); idempotent."""
+    for module in model.modules():
+        if isinstance(module, Attention) and module.qkv_proj is None:
+            module.qkv_proj = _joint_linear([module.q_proj, module.k_proj, module.v_proj])
+            module.q_proj = module.k_proj = module.v_proj = None
+        elif isinstance(module, MLP) and module.gate_up_proj is None:
+            module.gate_up_proj = _joint_linear([module.gate_proj, module.up_proj])
+            module.gate_proj = module.up_proj = None

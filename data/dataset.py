@@ -123,15 +123,19 @@ def collate(rows: list[dict], pad_id: int = 0, multiple: int = 1) -> dict[str, t
     """Right-padded batch: `input_ids [B, T]` long, `loss_mask [B, T]` long, `attention_mask [B, T]` long,
     T the longest row rounded up to `multiple` (few distinct shapes). Padding is masked out of both attention
     and loss, so `pad_id` only fills space."""
-    lengths = [len(row["input_ids"]) for row in rows]
-    T = -(-max(lengths) // multiple) * multiple
-    batch = {
-        "input_ids": torch.full((len(rows), T), pad_id, dtype=torch.long),
-        "loss_mask": torch.zeros(len(rows), T, dtype=torch.long),
-        "attention_mask": torch.zeros(len(rows), T, dtype=torch.long),
+    input_ids = [torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows]
+    return {
+        "input_ids": pad_right(input_ids, multiple, pad_id),
+        "loss_mask": pad_right([torch.as_tensor(row["loss_mask"], dtype=torch.long) for row in rows], multiple),
+        "attention_mask": pad_right([torch.ones_like(ids) for ids in input_ids], multiple),
     }
-    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-        batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
-        batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"])
-        batch["attention_mask"][i, :n] = 1
-    return batch
+
+
+def pad_right(rows: list[torch.Tensor], multiple: int = 1, value: int = 0) -> torch.Tensor:
+    """`[B, T, ...]`: the rows (`[n_i, ...]`, alike past dim 0) stacked in the first row's dtype, each followed by
+    `value` up to T, the longest n_i rounded up to `multiple`. Every tensor of a batch pads to the same T."""
+    T = -(-max(len(row) for row in rows) // multiple) * multiple
+    out = rows[0].new_full((len(rows), T, *rows[0].shape[1:]), value)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from eyas.common.attention import CausalAttention
 from eyas.common.target import TargetModel
-from eyas.data.dataset import collate
+from eyas.data.dataset import collate, pad_right
 
 INDEX = "index.json"
 STORES = ("hidden", "logits")
@@ -179,10 +179,4 @@ def collate_hidden_states(rows: list[dict], multiple: int = 1) -> dict[str, Tens
     """`data.dataset.collate`'s right-padded batch (T rounded up to `multiple`) plus `aux` [B, T, 3·H] and
     `hidden` [B, T, H] (or `logits` [B, T, V]), zero past each row's end: each row copied once."""
     batch = collate(rows, multiple=multiple)
-    B, T = batch["input_ids"].shape
-    for key in [k for k in rows[0] if k not in batch]:
-        first = rows[0][key]
-        batch[key] = first.new_zeros(B, T, *first.shape[1:])
-        for i, row in enumerate(rows):
-            batch[key][i, : len(row[key])] = row[key]
-    return batch
+    return batch | {key: pad_right([row[key] for row in rows], multiple) for key in rows[0] if key not in batch}

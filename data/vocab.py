@@ -21,7 +21,7 @@ import torch
 from datasets import Dataset
 from torch import Tensor
 
-from eyas.common.assets import resolve_asset
+from eyas.common.assets import resolve_asset_argument
 from eyas.common.hot_vocab import HotVocab
 
 DEFAULT_SIZE = 32000
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         "token ids, most frequent first.",
     )
     parser.add_argument("--target", required=True, help="HF directory, .gguf file, or packaged model name")
-    parser.add_argument("--data", required=True, type=resolve_asset,
+    parser.add_argument("--data", required=True,
                         help="ShareGPT JSON, messages JSONL or UltraChat file, or a packaged data set (sharegpt)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="ids to keep (default %(default)s)")
     parser.add_argument("--output", required=True, type=Path, help="the token map to write, e.g. freq_32000.pt")
@@ -69,12 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-proc", type=int, help="processes for tokenizing")
     parser.add_argument("--cache-dir", help="datasets' cache (default: its own, ~/.cache/huggingface/datasets)")
     args = parser.parse_args(argv)
+    data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     target = resolve_target(args.target)
     tokenizer = load_tokenizer(target)
     config = DataConfig(args.max_length, args.format, args.num_proc, args.cache_dir)
-    counts = token_counts(build_dataset(args.data, tokenizer, config), target_config(target).vocab_size)
+    counts = token_counts(build_dataset(data, tokenizer, config), target_config(target).vocab_size)
     hot = draft_vocab(counts, args.size, order="by_frequency")
     hot.save_token_map(args.output)
     covered = counts[hot.hot_ids].sum() / counts.sum().clamp(min=1)

@@ -28,12 +28,13 @@ from eyas.common.architectures import ARCHITECTURES, random_target
 from eyas.common.assets import asset_path
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
+from eyas.common.layers import fuse_projections
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.conversations import read_conversations
 from eyas.data.tokenizer import render_chat
 
 from .autotune import format_setting, parse_setting, write_autotune
-from .commands import add_engine_arguments, engine_options, load_models
+from .commands import add_engine_arguments, engine_options, load_models, tree_setting
 from .cuda_graphs import BATCH_BUCKETS
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
@@ -122,7 +123,9 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
 @torch.no_grad()
 def weight_streaming_floor_ms(target: TargetModel) -> float:
     """Time of one token through the model's linear layers alone (every weight read once, nothing else),
-    as a CUDA-graph replay: the floor a batch-1 decode step can approach."""
+    as a CUDA-graph replay: the floor a batch-1 decode step can approach. The layers as the engine serves
+    them: q/k/v and gate/up joined (`fuse_projections`)."""
+    fuse_projections(target)
     linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]  # the decoder stack
     head = target.lm_head_weight
     x = {m.in_features: torch.randn(1, m.in_features, device=head.device, dtype=head.dtype) for m in linears}
@@ -168,13 +171,6 @@ def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -
     return total / seconds
 
 
-def _tree_setting(text: str) -> TreeShape | None:
-    try:
-        return parse_setting(text)
-    except ValueError as e:  # argparse shows an ArgumentTypeError's own message as the usage error
-        raise argparse.ArgumentTypeError(str(e)) from e
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench-eagle", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -192,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=1,
                         help="prompts per batch size, that batch size at a time (never fewer than the batch size; "
                         "Hugging Face runs this many at batch 1)")
-    parser.add_argument("--trees", type=_tree_setting, nargs="+",
+    parser.add_argument("--trees", type=tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")

@@ -27,7 +27,6 @@ from .autotune import read_autotune
 from .commands import add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
-from .metrics import Metrics
 from .worker import EngineWorker
 
 # Where `train-eagle --recipe quickstart --output runs/quickstart` writes its head (the trainer's `final/`
@@ -125,10 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                           mem_fraction=args.mem_fraction,
                           max_batch_size=args.max_batch_size, **engine_options(args))
     engine = Engine(target, head, config)
-    # Tokens a verification can yield: the deepest tree's steps plus the bonus token.
-    metrics = Metrics(max_accept=1 + max([0] + [t.num_steps for t in engine.trees]))
     name = args.model_name or model_name(args.target, path)
-    app = create_app(EngineWorker(engine, metrics), tokenizer, name)
+    app = create_app(EngineWorker(engine), tokenizer, name)
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")
           + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     # On Ctrl-C: new connections are refused, open ones get 30 s to finish (then their requests are aborted).

@@ -10,6 +10,7 @@ interface (eval-eagle and regeneration use both).
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from eyas.data.tokenizer import render_chat, stop_token_ids
 
 from .engine import Engine, Request
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,7 +90,8 @@ class EngineClient(Client):
 class EndpointClient(Client):
     """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt. A running
     `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
-    texts and token counts only."""
+    texts and token counts only. A prompt the server refuses (HTTP 400 naming `messages`, as for a prompt too
+    long for its context) is refused here too, with a warning; any other failure raises."""
 
     def __init__(self, base_url: str, model: str, params: SamplingParams, max_new_tokens: int):
         import httpx
@@ -98,8 +102,13 @@ class EndpointClient(Client):
                      "top_p": params.top_p}
         self.pending: set[Future] = set()
 
-    def _one(self, prompt: Conversation) -> Answer:
+    def _one(self, prompt: Conversation) -> Answer | None:
         response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
+        # Only a 400 that blames the prompt is skipped: one blaming the settings would fail every prompt.
+        if response.status_code == 400 and (error := _error(response)).get("param") == "messages":
+            log.warning("%s refused the prompt %r, skipped: %s", self.base_url, prompt[-1]["content"][:60],
+                        error.get("message"))
+            return None
         if response.status_code != 200:
             raise RuntimeError(f"{self.base_url}: HTTP {response.status_code}: {response.text[:500]}")
         data = response.json()
@@ -124,3 +133,12 @@ class EndpointClient(Client):
     def collect(self) -> list[tuple[object, Answer | None]]:
         done, self.pending = wait(self.pending, return_when=FIRST_COMPLETED)
         return [(future, future.result()) for future in done]
+
+
+def _error(response) -> dict:
+    """An OpenAI-shaped error body's `error` object ({} for any other body)."""
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return error if isinstance(error, dict) else {}

@@ -3,6 +3,7 @@ tree flags, and loading a target with its tokenizer and draft head.
 
     add_tree_arguments(parser, TreeShape(7, 1, 8))      # --num-steps, --topk, --num-draft-tokens
     tree = tree_shape(parser, parser.parse_args())      # an impossible tree is a usage error
+    parser.add_argument("--trees", type=tree_setting, nargs="+")   # settings such as 7,1,8 or off
     target, head, tokenizer, path = load_models("smollm2-135m-instruct", "runs/quickstart/final", device="cuda")
 """
 
@@ -16,11 +17,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from eyas.common.assets import resolve_target
-from eyas.common.head_checkpoint import DraftHead, load_draft_head
+from eyas.common.head_checkpoint import DraftHead, head_config_path, load_draft_head
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
 from .attention import BACKENDS
+from .autotune import parse_setting
 from .draft import TreeShape
 
 
@@ -57,6 +59,15 @@ def tree_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tre
                      f"--num-draft-tokens {args.num_draft_tokens}): {e}")
 
 
+def tree_setting(text: str) -> TreeShape | None:
+    """argparse type of a setting in autotune's format ("off" or "num_steps,topk,num_draft_tokens"): a malformed
+    or impossible one is a usage error naming the flag and the reason, not a traceback."""
+    try:
+        return parse_setting(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own message; a ValueError only as "invalid"
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 class Models(NamedTuple):
     target: TargetModel
     head: DraftHead | None
@@ -70,6 +81,8 @@ def load_models(target: str | Path, draft: str | Path | None = None, token_map: 
     restricted by `token_map` (an FR-Spec freq_N.pt, for EAGLE-1/2 heads). `dtype` None: bf16 on CUDA, fp32
     elsewhere. A missing target, head or token map raises FileNotFoundError naming it."""
     path = resolve_target(target)
+    if draft is not None:  # before the target loads (GGUF de-quantization, or many GB): a wrong --draft fails at once
+        head_config_path(draft)
     dtype = dtype or default_dtype(device)
     model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
     head = None if draft is None else load_draft_head(draft, model, token_map=token_map, dtype=dtype, device=device)

@@ -20,7 +20,8 @@ whenever the batch size calls for speculation again.
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
 drafting, the target pass (with greedy verification), and the draft's extension along the accepted path with
 its inputs. Batches are padded to a bucket, block tables to full width. On
-CUDA the models' elementwise work runs as fused Triton kernels (`kernels.py`).
+CUDA the models' elementwise work runs as fused Triton kernels (`kernels.py`). On every device the engine joins
+each layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from eyas.common.attention import causal_mask
 from eyas.common.head_checkpoint import DraftHead
+from eyas.common.layers import fuse_projections
 from eyas.common.target import TargetModel, TargetOutput
 
 from .attention import attention_backend
@@ -132,6 +134,9 @@ class Engine:
         self.target = target
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
+        for model in (target, head):
+            if model is not None:
+                fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from .kernels import install
 
@@ -406,9 +411,10 @@ class Engine:
             depth = shape.num_steps if shape else 0
             T = min(depth + 1, N) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
             move = shape is not None and shape.topk > 1
-            pad = len(n) - len(num_accepted)  # sampling verified B rows: padding rows accept nothing
-            path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in
-                             (accepted.clamp(min=0), num_accepted, bonus))
+            path, m, last = accepted, num_accepted, bonus
+            pad = len(n) - len(num_accepted)  # sampling verifies the B requests only: padding rows accept nothing
+            if pad:
+                path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in (path, m, last))
             inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
             hidden, logp, *moves = self.graphs(f"accept, path {T}, move {move}",
                                                functools.partial(self._follow_path, T, move), *inputs)
@@ -430,12 +436,13 @@ class Engine:
     def _follow_path(self, T: int, move: bool, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor,
                      hidden: Tensor, n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, ...]:
         """The accepted path's device work but the KV move, one CUDA graph per (bucket, T, move): the draft extended
-        along the path's first T nodes (rows past num_accepted + 1 are padding) and, with `move`, the slots its
-        target KV moves between. path [B', N] node indices (accepted, -1 as 0); num_accepted, bonus, n [B'];
-        tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows accept nothing
-        and write to the scratch block. -> the draft's hidden [B', H] and logp [B', Vd] at each row's last
-        accepted node, then with `move` the source and destination slots [B'·T] (`KVPool.move`)."""
-        nodes = path[:, :T]  # [B', T]
+        along the path's first T nodes (rows past num_accepted + 1 are padding) and, with `move`, the pool rows its
+        target KV moves between. path [B', N] node indices (accepted, then -1); num_accepted, bonus, n [B'];
+        tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows' tables hold only
+        the scratch block, so whatever they accept is written there. -> the draft's hidden [B', H] and logp
+        [B', Vd] at each row's last accepted node, then with `move` the source and destination rows [2·L·B'·T]
+        (`KVPool.move`)."""
+        nodes = path[:, :T].clamp(min=0)  # [B', T]
         # The draft reads the target's states along the path and, at each node, the token after it.
         after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
         is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
@@ -449,7 +456,7 @@ class Engine:
         j = torch.arange(T, device=path.device)
         source = torch.where(j <= num_accepted[:, None], nodes, j)  # [B', T]
         slots = (slots_of(table, n[:, None] + x, self.pool.block_size).flatten() for x in (source, j[None]))
-        return drafted + tuple(slots)
+        return drafted + tuple(self.pool.rows_of(x) for x in slots)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""

@@ -17,6 +17,8 @@ Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
   accept_rate[i] P(draft token i+1 accepted | tokens 1..i accepted), over the verifications that reached i
   reach[i]       fraction of verifications that accepted at least i+1 draft tokens
   tokens/s       output tokens over wall time, speculation on and off; speedup = on / off
+  skipped        prompts refused (no room in the context to answer them), each with a warning; their
+                 questions end there
 Worked example: verifications accepting [2, 0, 3, 1] draft tokens -> τ = (3+1+4+2)/4 = 2.5;
 reach = [3/4, 2/4, 1/4]; accept_rate = [3/4, 2/3, 1/2].
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -42,6 +45,8 @@ from .commands import add_engine_arguments, add_tree_arguments, engine_options, 
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +103,7 @@ class RunResult:
     new_tokens: list[int]  # per question
     seconds: float
     accepted: list[list[int]]  # per question: accepted draft tokens of each verification
+    skipped: list[bool]  # per question: a prompt of it was refused, which ended it
 
     @property
     def tokens_per_s(self) -> float:
@@ -108,9 +114,9 @@ def run_questions(client: Client, questions: list[list[str]], desc: str, concurr
     """Answers every question turn by turn (a later turn follows the model's own earlier answers), the
     questions of a turn in groups of `concurrency` answered together."""
     n = len(questions)
-    result = RunResult([[] for _ in range(n)], [0] * n, 0.0, [[] for _ in range(n)])
+    result = RunResult([[] for _ in range(n)], [0] * n, 0.0, [[] for _ in range(n)], [False] * n)
     messages: list[Conversation] = [[] for _ in range(n)]
-    alive = set(range(n))  # questions not stopped by a full context
+    alive = set(range(n))  # questions not stopped by a refused prompt
     with tqdm(total=sum(map(len, questions)), desc=desc, unit="turn", file=sys.stderr) as bar:
         for turn in range(max(map(len, questions), default=0)):
             active = [i for i in range(n) if i in alive and turn < len(questions[i])]
@@ -124,7 +130,11 @@ def run_questions(client: Client, questions: list[list[str]], desc: str, concurr
                 result.seconds += time.perf_counter() - start_time
                 for i, reply in zip(group, replies, strict=True):
                     if reply is None:
+                        log.warning("%s: question %d/%d, turn %d: the prompt was refused (no room left in the "
+                                    "context to answer it); skipped, with the question's later turns",
+                                    desc, i + 1, n, turn + 1)
                         alive.discard(i)
+                        result.skipped[i] = True
                         continue
                     result.new_tokens[i] += reply.new_tokens
                     result.accepted[i] += reply.accepted
@@ -141,6 +151,7 @@ def write_report(output: Path, report: dict, stats: Acceptance) -> None:
         "| metric | value |", "|---|---|",
         f"| τ (tokens per verification) | {stats.tau:.3f} |",
         f"| verifications | {stats.verifications} |",
+        f"| prompts skipped (refused) | {report['skipped']} |",
         f"| tokens/s, speculation on | {report['tokens_per_s']:.1f} |",
         f"| tokens/s, speculation off | {_fmt(report['tokens_per_s_off'], '.1f')} |",
         f"| speedup | {_fmt(report['speedup'], '.2f')} |",
@@ -186,13 +197,14 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
         "bench": bench,
         **settings,
         "questions": len(questions),
+        "skipped": sum(spec.skipped),
         **asdict(stats),
         "tokens_per_s": spec.tokens_per_s,
         "tokens_per_s_off": base.tokens_per_s if base else None,
         "speedup": spec.tokens_per_s / base.tokens_per_s if base else None,
         "per_question": [
-            {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc}
-            for a, n, acc in zip(spec.answers, spec.new_tokens, spec.accepted, strict=True)
+            {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc, "skipped": skip}
+            for a, n, acc, skip in zip(spec.answers, spec.new_tokens, spec.accepted, spec.skipped, strict=True)
         ],
     }
     return report, stats

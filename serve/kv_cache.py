@@ -58,12 +58,17 @@ class KVPool:
         self._plane_rows = torch.arange(2 * num_layers, device=device)[:, None] * shape[0]  # [2·L, 1]: for `move`
         self.allocator = BlockAllocator(num_blocks)
 
-    def move(self, src: Tensor, dst: Tensor) -> None:
-        """Every layer's key and value at slots src [n] copied to slots dst [n] (distinct): all are read before
-        any is written, so a slot may be both a source and a destination. No host sync: one gather and one
-        scatter over rows of a [2·L·slots, Hkv·D] view, each plane's first row precomputed."""
+    def rows_of(self, slots: Tensor) -> Tensor:
+        """slots [n] -> [2·L·n], the rows of the pool's [2·L·slots, Hkv·D] view holding every layer's key and value
+        at them (pure tensor work: a graph can compute them for `move`)."""
+        return (self._plane_rows + slots).flatten()
+
+    def move(self, src_rows: Tensor, dst_rows: Tensor) -> None:
+        """Copies rows `src_rows` to `dst_rows` (`rows_of`), all read before any is written, so a slot may be both a
+        source and a destination. Destinations must be distinct but where several copies write alike (padding
+        rows' copies into the scratch block). One gather and one scatter; no host sync."""
         rows = self.kv.view(-1, self.kv.shape[-2] * self.kv.shape[-1])  # [2·L·slots, Hkv·D]
-        rows[(self._plane_rows + dst).flatten()] = rows[(self._plane_rows + src).flatten()]
+        rows[dst_rows] = rows[src_rows]
 
     def block_table(self, rows: list[list[int]], device: torch.device | str | None = None, width: int | None = None,
                     padding_rows: int = 0) -> Tensor:

@@ -19,7 +19,9 @@ from .engine import Engine
 
 
 class Metrics:
-    def __init__(self, max_accept: int = 16):
+    def __init__(self, engine: Engine):
+        # A verification yields at most the deepest tree's steps plus the bonus token: the top bucket.
+        max_accept = 1 + max([0] + [t.num_steps for t in engine.trees])
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter("eyas_http_requests", "HTTP responses", ["endpoint", "status"], registry=r)
         self.finished = Counter("eyas_requests_finished", "Finished generations by reason", ["reason"], registry=r)

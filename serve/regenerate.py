@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eyas.common.assets import resolve_asset
+from eyas.common.assets import resolve_asset, resolve_asset_argument
 from eyas.data.conversations import Conversation, read_conversations
 
 from .clients import Client, EndpointClient, EngineClient
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give exactly one of --target (in-process) and --endpoint")
     if args.endpoint and args.max_prompt_tokens is not None:  # prompts are counted in the target's tokens
         parser.error("--max-prompt-tokens needs --target: an endpoint's prompts are not tokenized here")
+    data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
     try:
         if args.endpoint:
             client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
             client = EngineClient(Engine(target, None, config), tokenizer, params, args.max_new_tokens,
                                   args.max_prompt_tokens)
-        n = regenerate_file(args.data, args.output, client, args.batch_size, args.limit, args.shard)
+        n = regenerate_file(data, args.output, client, args.batch_size, args.limit, args.shard)
     except KeyboardInterrupt:  # Ctrl-C, or SIGINT from `timeout -s INT`: every line written is whole and flushed
         print(f"interrupted: {len(written_indices(args.output))} conversations written to {args.output}; "
               "rerun the same command to resume", file=sys.stderr)

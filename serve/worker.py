@@ -1,6 +1,6 @@
 """The engine's own thread: the asyncio side submits and aborts requests, the thread steps the engine.
 
-    worker = EngineWorker(engine, metrics)
+    worker = EngineWorker(engine)     # worker.metrics: what the app's /metrics renders
     worker.start()
     stream = await worker.submit(prompt_ids, SamplingParams(temperature=0), max_new_tokens=64, stop_ids={2})
     while isinstance(event := await stream.events.get(), list):
@@ -10,8 +10,9 @@
 
 The engine is not thread-safe, so only this thread touches it (and its requests). Commands arrive through
 a `queue.Queue`; token deltas and the finish go back with `loop.call_soon_threadsafe` into each request's
-`asyncio.Queue`. An exception inside `step` ends the requests that were running with reason "error" (their
-blocks freed) and the loop goes on.
+`asyncio.Queue`, after the metrics are updated (so a client that has its answer reads /metrics up to date). An
+exception inside `step` ends the requests that were running with reason "error" (their blocks freed) and the
+loop goes on.
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ def _settle(future: asyncio.Future, error: Exception | None) -> None:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.metrics = metrics or Metrics()  # the app's /metrics renders these
+        self.metrics = Metrics(engine)  # the app's /metrics renders these
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[Request, Stream] = {}
         self._errors: dict[Request, str] = {}
@@ -170,14 +171,17 @@ class EngineWorker:
             self.engine.abort(request)
 
     def _publish(self) -> None:
+        events: list[tuple[Stream, list[int] | Finish]] = []
         for request, stream in list(self._live.items()):
             new = request.take_new_tokens()
             if new:
-                stream.put(new)
+                events.append((stream, new))
                 self.metrics.generation_tokens.inc(len(new))
             if request.finished:
                 del self._live[request]
                 finish = Finish(request.finish_reason, list(request.accepted), self._errors.pop(request, None))
-                stream.put(finish)
+                events.append((stream, finish))
                 self.metrics.observe_finish(finish)
         self.metrics.observe_engine(self.engine)
+        for stream, event in events:  # after the metrics: see the module docstring
+            stream.put(event)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset, concatenate_datasets
+from torch import Tensor
 
 from eyas.common.assets import resolve_asset, resolve_target
 from eyas.common.hot_vocab import HotVocab
@@ -92,6 +93,12 @@ def length_groups(lengths: list[int], batch_size: int, bucket: int, rng: random.
     return groups
 
 
+def repeated_token_counts(rows: Dataset, part: list[int], times: list[int], vocab_size: int) -> Tensor:
+    """`token_counts` [vocab_size] of rows `part` with row i there `times[i]` times (as it is trained on), each row
+    read once: the rows of each repeat are counted together, then scaled by it."""
+    return sum(t * token_counts(rows.select([i for i in part if times[i] == t]), vocab_size) for t in set(times))
+
+
 def load_data(
     cfg: DataConfig, rows: Dataset, vocab_size: int, draft_vocab_size: int, seed: int,
     states: HiddenStateDataset | None = None,
@@ -123,12 +130,13 @@ def load_data(
     # conversation land on the same side. Eval rows count once.
     repeats = [s.repeat for s in cfg.sources()]
     times = [repeats[k] for k in rows[SOURCE]]
-    train_rows = [i for i in sorted(order[n_eval:]) for _ in range(times[i])]
+    distinct_train = sorted(order[n_eval:])
+    train_rows = [i for i in distinct_train for _ in range(times[i])]
     eval_rows = sorted(order[:n_eval])
 
     def batches(part: list[int]) -> Batches:
         groups = length_groups([lengths[i] for i in part], cfg.batch_size, cfg.bucket, rng)
         return Batches(batch_rows, [[part[i] for i in group] for group in groups], cfg.pad_multiple)
 
-    hot = draft_vocab(token_counts(rows.select(train_rows), vocab_size), draft_vocab_size)
+    hot = draft_vocab(repeated_token_counts(rows, distinct_train, times, vocab_size), draft_vocab_size)
     return TrainData(batches(train_rows), batches(eval_rows) if n_eval else None, hot)

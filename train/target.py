@@ -11,8 +11,6 @@ identifies the target the states were dumped from (`eyas.data.hidden_states.targ
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor, nn
 
@@ -43,25 +41,21 @@ def build_random_target(cfg: RandomTarget) -> TargetModel:
     return model.eval()
 
 
-def load_target_ends(path: Path, dtype: torch.dtype, device: torch.device) -> TargetModel:
-    """The target of checkpoint `path` with only its embedding, final norm and lm_head loaded; its decoder layers
-    stay on the meta device (no memory, and running them fails: a meta weight meets a real input)."""
-    return load_checkpoint(path, dtype, device, only=("model.embed_tokens.weight", "model.norm.weight",
-                                                      "lm_head.weight"))  # a tied lm_head: the embedding
+# What offline training reads of a checkpoint (see the module docstring); a tied lm_head is the embedding.
+TARGET_ENDS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
 def load_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layers: bool = True) -> TargetModel:
-    """The frozen target; `layers=False` (offline) loads a checkpoint's ends only (`load_target_ends`). Random
+    """The frozen target; `layers=False` (offline) loads only a checkpoint's `TARGET_ENDS`, its decoder layers
+    staying on the meta device (no memory, and running them fails: a meta weight meets a real input). Random
     targets are built whole either way: they have no checkpoint to read a part of."""
     if cfg.random_target is not None:
         target = build_random_target(cfg.random_target).to(dtype=dtype, device=device)
         target.rotary.reset_parameters(device)  # inv_freq stays fp32
     elif cfg.random_arch is not None:
         target = random_target(cfg.random_arch, dtype, device)
-    elif layers:
-        target = TargetModel.from_pretrained(resolve_target(cfg.target), dtype=dtype, device=device)
     else:
-        target = load_target_ends(resolve_target(cfg.target), dtype, device)
+        target = load_checkpoint(resolve_target(cfg.target), dtype, device, only=None if layers else TARGET_ENDS)
     return target.requires_grad_(False).eval()
 
 

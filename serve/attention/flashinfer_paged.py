@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..kv_cache import KVPool
-from .paged import PagedAttention, dense_view
+from .paged import PagedAttention, dense_mask, seeing
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 
@@ -44,8 +44,8 @@ class FlashInferPagedAttention(PagedAttention):
         bs = pool.block_size
         kv_lens = prefix_lens.long() + W  # [B] keys per row
         pages = (kv_lens + bs - 1) // bs  # [B]
-        # Row b's pages are its first pages[b] blocks; its mask is dense_view's, cut to its own keys.
-        _, mask = dense_view(block_table, prefix_lens, window_mask, bs)  # [B, T, S], S = max(prefix) + W
+        # Row b's pages are its first pages[b] blocks; its mask is dense_mask's, cut to its own keys.
+        mask = dense_mask(prefix_lens, window_mask)  # [B, T, S], S = max(prefix) + W
         S = mask.shape[-1]
         own = torch.arange(S, device=mask.device)[None] < kv_lens[:, None]  # [B, S]
         listed = torch.arange(block_table.shape[1], device=mask.device)[None] < pages[:, None]  # [B, M]
@@ -56,7 +56,7 @@ class FlashInferPagedAttention(PagedAttention):
             paged_kv_last_page_len=(kv_lens - (pages - 1) * bs).int(),
             custom_mask=mask[own[:, None, :].expand(B, T, S)],  # row-major per row: [T, prefix + W] each
         )
-        self.sees_any = mask.any(-1)[:, :, None, None]  # [B, T, 1, 1]: padding queries see nothing -> 0
+        self.sees_any = seeing(mask)
         self.planned = False
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -53,26 +53,36 @@ def slots_of(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
     return blocks * block_size + positions % block_size
 
 
-def dense_view(block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor, block_size: int):
-    """The view as explicit key slots and a mask over them, for gather-based attention.
-
-    -> slots [B, S] and mask [B, T, S] with S = max(prefix) + W: key s of row b is position s when
-    s < prefix_lens[b], window key s - prefix_lens[b] when that is in [0, W), else masked (slot 0).
-    Reads max(prefix_lens) on the host, so it is not for CUDA graphs.
-    """
+def dense_mask(prefix_lens: Tensor, window_mask: Tensor) -> Tensor:
+    """The view's mask over explicit keys -> [B, T, S] with S = max(prefix) + W: key s of row b is position s when
+    s < prefix_lens[b], window key s - prefix_lens[b] when that is in [0, W), else masked. Reads max(prefix_lens)
+    on the host, so it is not for CUDA graphs."""
     B, T, W = window_mask.shape
     S = int(prefix_lens.max()) + W
-    device = window_mask.device
-    positions = torch.arange(S, device=device).expand(B, S)
+    positions = torch.arange(S, device=window_mask.device).expand(B, S)
     prefix = prefix_lens[:, None].long()
     in_window = (positions >= prefix) & (positions < prefix + W)
     window_index = (positions - prefix).clamp(0, W - 1)  # [B, S]
-    mask = torch.where(
+    return torch.where(
         in_window[:, None],
         window_mask.gather(2, window_index[:, None].expand(B, T, S)),
         (positions < prefix)[:, None].expand(B, T, S),
     )
-    valid = positions < prefix + W
+
+
+def dense_view(block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor, block_size: int):
+    """The view as explicit key slots and a mask over them, for gather-based attention: -> slots [B, S] (the
+    cache slot of each key of `dense_mask`, 0 past a row's keys) and mask [B, T, S]."""
+    mask = dense_mask(prefix_lens, window_mask)
+    B, S = mask.shape[0], mask.shape[-1]
+    positions = torch.arange(S, device=mask.device).expand(B, S)
+    valid = positions < prefix_lens[:, None].long() + window_mask.shape[-1]
     slots = torch.where(valid, slots_of(block_table, positions.clamp(max=block_table.shape[1] * block_size - 1),
                                         block_size), 0)
     return slots, mask
+
+
+def seeing(mask: Tensor) -> Tensor:
+    """mask [B, T, S] -> [B, T, 1, 1]: the queries that see some key. A query that sees none (padding) gets NaN from
+    a softmax over nothing; the backends zero its output, as the Triton kernels do."""
+    return mask.any(-1)[:, :, None, None]

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.common.attention import sdpa
 
-from .paged import PagedAttention, dense_view
+from .paged import PagedAttention, dense_view, seeing
 
 
 class TorchPagedAttention(PagedAttention):
@@ -19,9 +19,7 @@ class TorchPagedAttention(PagedAttention):
     def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
         super().__init__(pool, block_table, prefix_lens, window_mask)
         self.kv_slots, self.mask = dense_view(block_table, prefix_lens, window_mask, pool.block_size)
-        # [B, T, 1, 1]: queries that see some key. One that sees none (padding) gets NaN from softmax over
-        # nothing; `attend` zeroes it, as the kernels do. The same for every layer, so computed once.
-        self.sees_any = self.mask.any(-1)[:, :, None, None]
+        self.sees_any = seeing(self.mask)  # the same for every layer, so computed once
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.write(layer, k, v)

@@ -73,3 +73,23 @@ def test_tree_mask_equals_path(family, hf_checkpoint):
             path_ids = ids[:, seq]
             ref = model.logits(model(path_ids, torch.arange(len(seq))[None], CausalAttention()).hidden)[0, -1]
             assert (tree_logits[node] - ref).abs().max() <= TOL, f"tree node {node}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_projections_give_the_same_outputs(family, hf_checkpoint):
+    """q/k/v and gate/up joined (what the engine serves; with q/k/v biases for qwen2, q/k norms for qwen3)."""
+    from eyas.common.layers import fuse_projections
+
+    path, _ = hf_checkpoint(family)
+    model = TargetModel.from_pretrained(path)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(9).expand(2, -1)
+    with torch.no_grad():
+        want = model.logits(model(ids, pos, CausalAttention()).hidden)
+        fuse_projections(model)
+        fuse_projections(model)  # idempotent
+        got = model.logits(model(ids, pos, CausalAttention()).hidden)
+    names = [name for name, _ in model.named_parameters()]
+    assert any("qkv_proj" in n for n in names) and any("gate_up_proj" in n for n in names)
+    assert not any(p in n for n in names for p in (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

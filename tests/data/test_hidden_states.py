@@ -40,6 +40,22 @@ def random_head(target: TargetModel, counts: torch.Tensor, draft_vocab: int = 8)
     return head
 
 
+def test_collate_pads_every_tensor_to_the_multiple():
+    """Rows of 3 and 5 tokens, multiple 4: ids, masks and states all padded to T = 8, zeros past each row's end;
+    with multiple 5 the longest row is already a multiple: T = 5."""
+    rows = [{"input_ids": torch.arange(1, n + 1), "loss_mask": torch.ones(n, dtype=torch.long),
+             "aux": torch.rand(n, 6)} for n in (3, 5)]
+    batch = collate_hidden_states(rows, multiple=4)
+    assert {key: tuple(t.shape) for key, t in batch.items()} == {
+        "input_ids": (2, 8), "loss_mask": (2, 8), "attention_mask": (2, 8), "aux": (2, 8, 6)}
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0, 0, 0]]
+    assert torch.equal(batch["attention_mask"], batch["input_ids"].ne(0).long())
+    assert torch.equal(batch["loss_mask"], batch["attention_mask"])
+    for i, n in enumerate((3, 5)):
+        assert torch.equal(batch["aux"][i, :n], rows[i]["aux"]) and batch["aux"][i, n:].eq(0).all()
+    assert collate_hidden_states(rows, multiple=5)["aux"].shape == (2, 5, 6)
+
+
 @pytest.mark.parametrize("store", ["hidden", "logits"])
 def test_offline_batch_matches_online(target, rows, tmp_path, store):
     aux_layers = target.config.default_aux_layers

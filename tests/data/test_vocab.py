@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -39,3 +40,11 @@ def test_cli_writes_token_map(smollm2_tokenizer, tmp_path, capsys):
     assert set(hot.hot_ids.tolist()) <= set(smollm2_tokenizer("one one one two<|im_end|>").input_ids)
     assert isinstance(torch.load(output, weights_only=True), list)
     assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_names_a_missing_data_file(tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(SystemExit) as stopped:  # a usage error before the (here unloadable) target loads
+        main(["--target", "unused", "--data", str(missing), "--output", str(tmp_path / "freq.pt")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"argument --data: data '{missing}' is neither an existing path" in err

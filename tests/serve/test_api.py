@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import socket
 import tempfile
@@ -25,10 +26,9 @@ from eyas.common.target import TargetModel
 from eyas.data.tokenizer import load_tokenizer
 from eyas.serve.api import create_app
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
-from eyas.serve.metrics import Metrics
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.text import TextStream
-from eyas.serve.worker import EngineWorker, Finish, ShuttingDown
+from eyas.serve.worker import EngineWorker, Finish, ShuttingDown, Stream
 from tests.conftest import make_hf_model
 from tests.serve.test_engine import random_head
 
@@ -58,8 +58,8 @@ class Server:
     def __init__(self, speculative: bool = True, num_blocks: int = 128):
         target, head = tiny_models()
         config = EngineConfig(speculative=speculative, tree=TreeShape(3, 2, 5), block_size=16, num_blocks=num_blocks)
-        self.metrics = Metrics()
-        self.worker = EngineWorker(Engine(target, head, config), self.metrics)
+        self.worker = EngineWorker(Engine(target, head, config))
+        self.metrics = self.worker.metrics
         self.app = create_app(self.worker, tokenizer(), MODEL)
         self.num_blocks = num_blocks
 
@@ -84,10 +84,15 @@ class Server:
     def metric(self, name: str, **labels) -> float:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
+    def idle(self) -> bool:
+        """The engine holds no request and every KV block is free. The worker updates the metrics before it
+        sends a step's tokens, so this holds as soon as the last answer is in."""
+        return self.metric("eyas_kv_blocks_free") == self.num_blocks and not self.metric("eyas_running_requests")
+
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Until the engine holds no request and every KV block is free again."""
+        """Until idle: after a client left, which the server notices (and aborts its request) on its own time."""
         deadline = time.monotonic() + timeout
-        while self.metric("eyas_kv_blocks_free") != self.num_blocks or self.metric("eyas_running_requests"):
+        while not self.idle():
             assert time.monotonic() < deadline, "the KV pool did not return to full"
             time.sleep(0.02)
 
@@ -170,7 +175,7 @@ def test_stop_strings(server):
                                             stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
-    server.wait_idle()
+    assert server.idle()
     assert server.metric("eyas_requests_finished_total", reason="abort") == 0
 
 
@@ -179,7 +184,6 @@ def test_models_health_metrics(server):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
-    server.wait_idle()  # the engine gauges are set just after the answer goes out
     exported = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
                 for s in f.samples if not s.labels}
     assert exported["eyas_kv_blocks_free"] == server.num_blocks and exported["eyas_generation_tokens_total"] >= 4
@@ -189,6 +193,10 @@ def test_models_health_metrics(server):
     assert server.metric("eyas_verify_steps_total") >= 1
     assert server.metric("eyas_acceptance_length_count") == server.metric("eyas_verify_steps_total")
     assert server.metric("eyas_queue_depth") == 0
+    # The top bucket is the tree's depth (3) plus the bonus token.
+    buckets = [s.labels["le"] for f in server.metrics.registry.collect() if f.name == "eyas_acceptance_length"
+               for s in f.samples if s.name.endswith("_bucket")]
+    assert buckets == ["1.0", "2.0", "3.0", "4.0", "+Inf"]
 
 
 LONG_PROMPT = "hawk " * (2 * CONTEXT)
@@ -235,7 +243,7 @@ def test_bad_completion_prompt(server):
         server.client().completions.create(model=MODEL, prompt="x", n=3)
     r = httpx.get(f"{server.url}/v2/nothing")
     assert r.status_code == 404 and "error" in r.json()
-    server.wait_idle()  # nothing leaked, still serving
+    assert server.idle()  # nothing leaked, still serving
     assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 
@@ -269,11 +277,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     with decoding_held(server, monkeypatch), httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        # The request holds blocks (the gauge is set just after the first token goes out: wait for it).
-        deadline = time.monotonic() + 10
-        while server.metric("eyas_kv_blocks_free") == server.num_blocks:
-            assert time.monotonic() < deadline, "the request holds no KV blocks"
-            time.sleep(0.01)
+        assert server.metric("eyas_kv_blocks_free") < server.num_blocks  # the request holds blocks
     server.wait_idle()
     assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
 
@@ -297,7 +301,7 @@ def test_step_failure_ends_the_running_requests_only(server):
     engine._decode = broken
     with pytest.raises(openai.InternalServerError, match="simulated kernel failure"):
         server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8)
-    server.wait_idle()
+    assert server.idle()
     assert server.metric("eyas_requests_finished_total", reason="error") == 1
     out = server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
     assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
@@ -349,3 +353,30 @@ def test_worker_shutdown_finishes_or_aborts_in_flight(grace, reason):
     finish, tokens = asyncio.run(run())
     assert finish.reason == reason and (tokens == 64) == (reason == "length")
     assert not worker._thread.is_alive() and worker.engine.pool.allocator.num_free == 32
+
+
+def test_worker_updates_metrics_before_sending_events(monkeypatch):
+    """Each event leaves the engine thread after its step's metrics: whoever has an answer reads them current."""
+    target, head = tiny_models()
+    worker = EngineWorker(Engine(target, head, EngineConfig(block_size=16, num_blocks=32)))
+    sent = []  # (event, tokens generated and KV blocks free by the metrics as it leaves)
+    put = Stream.put
+
+    def recording_put(stream, event):
+        value = worker.metrics.registry.get_sample_value
+        sent.append((event, value("eyas_generation_tokens_total"), value("eyas_kv_blocks_free")))
+        put(stream, event)
+
+    monkeypatch.setattr(Stream, "put", recording_put)
+    worker.start()
+
+    async def run():
+        stream = await worker.submit([1, 2, 3], SamplingParams(temperature=0), max_new_tokens=16)
+        while not isinstance(await stream.events.get(), Finish):
+            pass
+
+    asyncio.run(run())
+    worker.shutdown()
+    deltas = [(len(event), generated) for event, generated, _ in sent[:-1]]
+    assert [generated for _, generated in deltas] == list(itertools.accumulate(n for n, _ in deltas))
+    assert isinstance(sent[-1][0], Finish) and sent[-1][1:] == (16, 32)

@@ -2,13 +2,16 @@
 
 import json
 
+import httpx
 import pytest
 
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import save_eagle3
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
-from eyas.serve.evaluate import acceptance_stats, load_questions, main
+from eyas.serve.clients import EndpointClient
+from eyas.serve.evaluate import acceptance_stats, evaluate, load_questions, main
+from eyas.serve.sampling import SamplingParams
 from tests.conftest import make_hf_model
 
 
@@ -51,7 +54,7 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"messages": [
         {"role": "user", "content": "One"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "Two"}
-    ]}) + "\n")
+    ]}) + "\n" + json.dumps({"prompt": "hawk " * 600}) + "\n")  # longer than the 512-token context: skipped
     args = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"), "--bench", str(prompts),
             "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5", "--max-new-tokens", "8", "--device", "cpu"]
     main(args + ["--output", str(tmp_path / "eval")])
@@ -60,7 +63,8 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     main(args + ["--output", str(tmp_path / "together"), "--concurrency", "2", "--no-baseline"])
     together = json.loads((tmp_path / "together/report.json").read_text())
     assert together["per_question"] == report["per_question"] and together["tokens_per_s_off"] is None
-    assert report["questions"] == 2 and [q["turns"] for q in report["per_question"]] == [1, 2]
+    assert report["questions"] == 3 and [q["turns"] for q in report["per_question"]] == [1, 2, 0]
+    assert report["skipped"] == 1 and [q["skipped"] for q in report["per_question"]] == [False, False, True]
     assert report["verifications"] == sum(q["verifications"] for q in report["per_question"]) > 0
     assert report["tokens_per_s"] > 0 and report["tokens_per_s_off"] > 0
     assert len(report["accept_rate"]) == 3
@@ -86,3 +90,44 @@ def test_eval_eagle_against_running_servers(tmp_path):
     assert question["new_tokens"] > 0 and question["verifications"] > 0
     assert report["verifications"] == question["verifications"] and len(report["accept_rate"]) == 3
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_off"])
+
+
+def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, list[str]]:
+    """An EndpointClient whose server answers every prompt "ok" (2 tokens, 1 draft token accepted), except the
+    prompts in `errors` (by their last turn), answered (status, error object); and the last turns it was sent."""
+    sent = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        prompt = json.loads(request.content)["messages"][-1]["content"]
+        sent.append(prompt)
+        if prompt in errors:
+            status, error = errors[prompt]
+            return httpx.Response(status, json={"error": {"type": "invalid_request_error", "code": None, **error}})
+        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": "ok"}}],
+                                         "usage": {"completion_tokens": 2}, "eyas": {"accepted_per_step": [1]}})
+
+    client = EndpointClient("http://fake/v1", "m", SamplingParams(temperature=0), 8)
+    client.client = httpx.Client(base_url="http://fake/v1", transport=httpx.MockTransport(handle))
+    return client, sent
+
+
+def test_endpoint_refusing_a_prompt_skips_it(caplog):
+    """A 400 that blames the prompt (too long for the context) skips it, warned and counted; the run goes on."""
+    too_long = {"param": "messages", "message": "messages: the prompt has 900 tokens; this server's context holds 512"}
+    client, sent = fake_endpoint({"Long": (400, too_long)})
+    questions = [["One", "Two"], ["Long", "Never asked"], ["Three"]]
+    report, stats = evaluate(questions, client, None, depth=3, bench="fake", settings={}, concurrency=2)
+    assert report["skipped"] == 1 and [q["skipped"] for q in report["per_question"]] == [False, True, False]
+    assert [q["turns"] for q in report["per_question"]] == [2, 0, 1] and stats.verifications == 3
+    assert "Never asked" not in sent  # a refused prompt ends its question
+    warnings = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "question 2/3, turn 1" in warnings and "the prompt has 900 tokens" in warnings and "'Long'" in warnings
+
+
+@pytest.mark.parametrize("status, error", [(400, {"param": "temperature", "message": "temperature: too hot"}),
+                                           (500, {"param": None, "message": "internal error"})])
+def test_endpoint_failing_otherwise_fails_the_run(status, error):
+    """A 400 that blames the settings (it would fail every prompt) or a server error stops the run."""
+    client, _ = fake_endpoint({"Two": (status, error)})
+    with pytest.raises(RuntimeError, match=f"HTTP {status}: .*{error['message']}"):
+        evaluate([["One"], ["Two"]], client, None, depth=3, bench="fake", settings={})

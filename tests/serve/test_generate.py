@@ -69,7 +69,7 @@ def test_pool_move_reads_every_source_before_writing():
     pool = KVPool(3, 4, 2, 2, 4, torch.float32, "cpu")
     pool.kv.copy_(torch.randn_like(pool.kv))
     before = pool.kv.clone()
-    pool.move(torch.tensor([2, 5]), torch.tensor([1, 2]))
+    pool.move(pool.rows_of(torch.tensor([2, 5])), pool.rows_of(torch.tensor([1, 2])))
     expected = before.clone()
     expected[:, :, 1], expected[:, :, 2] = before[:, :, 2], before[:, :, 5]
     assert torch.equal(pool.kv, expected)

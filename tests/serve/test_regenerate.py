@@ -113,6 +113,14 @@ def test_max_prompt_tokens_needs_the_target(tmp_path, capsys):
     assert stopped.value.code == 2 and "--max-prompt-tokens needs --target" in capsys.readouterr().err
 
 
+def test_missing_data_is_a_usage_error_before_the_target_loads(tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
+        regenerate_module.main(["--data", str(missing), "--output", str(tmp_path / "out.jsonl"), "--target", "unused"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"argument --data: data '{missing}' is neither an existing path" in err
+
+
 def test_engine_client_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
     tok = smollm2_tokenizer
     # A tiny random target over SmolLM2's vocabulary, so its real tokenizer and chat template apply.

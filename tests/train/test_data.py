@@ -13,12 +13,14 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 import yaml
 
 from eyas.common.head_checkpoint import load_draft_head
+from eyas.data.vocab import draft_vocab, token_counts
 from eyas.train.batches import micro_batches
 from eyas.train.config import recipe_from_dict
-from eyas.train.data import length_groups, load_data, load_rows
+from eyas.train.data import length_groups, load_data, load_rows, repeated_token_counts
 from eyas.train.target import build_random_target
 from eyas.train.trainer import dump, train
 from tests.train import launcher_free_env, metrics
@@ -114,6 +116,22 @@ def test_mixed_split_keeps_copies_together(conversations, regenerated, tmp_path)
     assert all(train_rows[i] == (3 if rows["source"][i] else 1) for i in train_rows)
     tokens = [tuple(ids) for ids in rows["input_ids"]]
     assert not {tokens[i] for i in train_rows} & {tokens[i] for i in eval_rows}
+
+
+def test_draft_vocab_counts_repeats(conversations, regenerated, tmp_path):
+    """The draft vocabulary's counts read each distinct training row once, scaled by its repeat: they are the counts
+    over the training rows as batched, copies included."""
+    recipe = mixed_recipe(conversations, regenerated, tmp_path, repeat=2, eval_fraction=0.25)
+    rows = load_rows(recipe, 49152)
+    data = load_data(recipe.data, rows, 49152, 4, seed=0)
+    trained = [i for g in data.train.groups for i in g]  # the regenerated rows twice
+    naive = token_counts(rows.select(trained), 49152)
+    distinct = sorted(set(trained))
+    counts = repeated_token_counts(rows, distinct, [1 + source for source in rows["source"]], 49152)
+    once = token_counts(rows.select(distinct), 49152)
+    assert torch.equal(counts, naive) and not torch.equal(counts, once)
+    assert torch.equal(data.hot.hot_ids, draft_vocab(naive, 4).hot_ids)
+    assert not torch.equal(data.hot.hot_ids, draft_vocab(once, 4).hot_ids)  # the repeats change the top 4
 
 
 def test_changing_the_mix_changes_the_batches_not_the_token_cache(conversations, regenerated, tmp_path):

@@ -11,18 +11,23 @@ from safetensors.torch import load_file, save_file
 from eyas.common.checkpoint import CheckpointError
 from eyas.common.target import TargetModel
 from eyas.data.hidden_states import HiddenStateDataset
-from eyas.train.config import load_recipe
+from eyas.train import target as train_target
+from eyas.train.config import ModelConfig, load_recipe
 from eyas.train.data import load_data, load_rows
-from eyas.train.target import load_target, load_target_ends
+from eyas.train.target import load_target
 from eyas.train.trainer import dump, train
 from tests.train import metrics
 
 QUIET = ["logging.progress=false"]
 
 
+def load_target_ends(path) -> TargetModel:
+    return load_target(ModelConfig(target=str(path)), torch.float32, torch.device("cpu"), layers=False)
+
+
 def test_target_ends(hf_checkpoint):
     path, hf = hf_checkpoint("llama")
-    ends = load_target_ends(path, torch.float32, torch.device("cpu"))
+    ends = load_target_ends(path)
     state = hf.state_dict()
     for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         assert torch.equal(ends.state_dict()[name], state[name]), name
@@ -32,7 +37,7 @@ def test_target_ends(hf_checkpoint):
 def test_target_ends_of_a_tied_target(hf_checkpoint):
     """A tied target (qwen2 here) has no lm_head of its own: its logits come from the embedding."""
     path, hf = hf_checkpoint("qwen2")
-    ends = load_target_ends(path, torch.float32, torch.device("cpu"))
+    ends = load_target_ends(path)
     assert ends.lm_head is None
     assert torch.equal(ends.lm_head_weight, hf.state_dict()["model.embed_tokens.weight"])
     assert torch.equal(ends.model.norm.weight, hf.state_dict()["model.norm.weight"])
@@ -48,7 +53,7 @@ def test_target_ends_refuse_a_misshaped_tensor(hf_checkpoint, tmp_path):
     tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1].clone()  # [256, 64], the config says vocab 257
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError) as err:
-        load_target_ends(tmp_path, torch.float32, torch.device("cpu"))
+        load_target_ends(tmp_path)
     assert str(tmp_path) in str(err.value)
     assert "tensor 'lm_head.weight' has shape (256, 64), expected (257, 64)" in str(err.value)
 
@@ -64,10 +69,13 @@ def test_offline_training_matches_online(hf_checkpoint, tmp_path, monkeypatch):
     recipe = load_recipe("ci-tiny", overrides + [f"data.hidden_states={tmp_path / 'states'}"])
     dump(recipe)
 
-    def whole_target(*args, **kwargs):
-        raise AssertionError("offline training loaded the whole target")
+    load_checkpoint = train_target.load_checkpoint
 
-    monkeypatch.setattr(TargetModel, "from_pretrained", whole_target)
+    def ends_only(path, dtype, device, only=None):
+        assert only is not None, "offline training loaded the whole target"
+        return load_checkpoint(path, dtype, device, only)
+
+    monkeypatch.setattr(train_target, "load_checkpoint", ends_only)
     train(recipe, tmp_path / "offline")
     online, offline = metrics(tmp_path / "online"), metrics(tmp_path / "offline")
     assert [r["step"] for r in offline] == [r["step"] for r in online] == [1, 2, 3, 4]
