@@ -62,7 +62,8 @@ def head_config_path(path: str | Path) -> Path:
     check before loading anything large)."""
     config = Path(path) / "config.json"
     if not config.is_file():
-        missing = "no config.json" if Path(path).is_dir() else "no such directory"
+        path = Path(path)
+        missing = "no config.json" if path.is_dir() else "not a directory" if path.exists() else "no such directory"
         raise FileNotFoundError(f"draft head {path}: {missing}")
     return config
 

@@ -49,6 +49,7 @@ from transformers import PreTrainedTokenizerBase
 
 from eyas.data.tokenizer import render_chat, stop_token_ids
 
+from .engine import PromptTooLong
 from .metrics import Metrics
 from .sampling import SamplingParams
 from .text import TextStream
@@ -249,6 +250,8 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
         max_new = body.new_tokens or worker.engine.context_limit  # the engine also stops at the context's end
         try:
             stream = await worker.submit(prompt, params, max_new, stop_ids)
+        except PromptTooLong as e:  # OpenAI's code for it: clients can tell it from a bad request
+            raise APIError(400, f"{prompt_field}: {e}", param=prompt_field, code="context_length_exceeded") from None
         except ValueError as e:
             raise APIError(400, f"{prompt_field}: {e}", param=prompt_field) from None
         except ShuttingDown as e:

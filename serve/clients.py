@@ -90,8 +90,9 @@ class EngineClient(Client):
 class EndpointClient(Client):
     """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt. A running
     `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
-    texts and token counts only. A prompt the server refuses (HTTP 400 naming `messages`, as for a prompt too
-    long for its context) is refused here too, with a warning; any other failure raises."""
+    texts and token counts only. A prompt too long for the server's context (HTTP 400, code
+    `context_length_exceeded`, as serve-eagle and OpenAI send it) is refused here too, with a warning; any other
+    failure raises."""
 
     def __init__(self, base_url: str, model: str, params: SamplingParams, max_new_tokens: int):
         import httpx
@@ -104,8 +105,9 @@ class EndpointClient(Client):
 
     def _one(self, prompt: Conversation) -> Answer | None:
         response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
-        # Only a 400 that blames the prompt is skipped: one blaming the settings would fail every prompt.
-        if response.status_code == 400 and (error := _error(response)).get("param") == "messages":
+        # Only a prompt too long for the context is skipped: any other 400 (settings, a malformed conversation)
+        # would fail every prompt alike.
+        if response.status_code == 400 and (error := _error(response)).get("code") == "context_length_exceeded":
             log.warning("%s refused the prompt %r, skipped: %s", self.base_url, prompt[-1]["content"][:60],
                         error.get("message"))
             return None

@@ -80,9 +80,9 @@ def load_models(target: str | Path, draft: str | Path | None = None, token_map: 
     """The target (a path or packaged model name), its tokenizer and, when `draft` is given, the draft head,
     restricted by `token_map` (an FR-Spec freq_N.pt, for EAGLE-1/2 heads). `dtype` None: bf16 on CUDA, fp32
     elsewhere. A missing target, head or token map raises FileNotFoundError naming it."""
-    path = resolve_target(target)
-    if draft is not None:  # before the target loads (GGUF de-quantization, or many GB): a wrong --draft fails at once
+    if draft is not None:  # before the target is fetched or loaded (many GB): a wrong --draft fails at once
         head_config_path(draft)
+    path = resolve_target(target)
     dtype = dtype or default_dtype(device)
     model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
     head = None if draft is None else load_draft_head(draft, model, token_map=token_map, dtype=dtype, device=device)

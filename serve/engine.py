@@ -128,15 +128,16 @@ class Request:
         return new
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room in the context to answer it."""
+
+
 class Engine:
     def __init__(self, target: TargetModel, head: DraftHead | None = None, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.target = target
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
-        for model in (target, head):
-            if model is not None:
-                fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from .kernels import install
 
@@ -148,6 +149,11 @@ class Engine:
         tcfg = target.config
         if not self.config.speculative:
             head = None  # plain decoding: the head is neither run nor given KV memory
+        for model in (target, head):
+            if model is not None:
+                fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the separate weights' memory, cached by the allocator, is free for the KV pool
         self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if head is not None else ()
         self.trees = [shape for _, shape in self.tree_by_batch if shape is not None]
         # Positions a decode step may write beyond the cached ones: the tree (or the root), the draft's scratch.
@@ -203,7 +209,7 @@ class Engine:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if self.room(len(prompt)) < 0:
-            raise ValueError(
+            raise PromptTooLong(
                 f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
             )
         request = Request(next(self._ids), list(prompt), params, max_new_tokens, frozenset(stop_ids))

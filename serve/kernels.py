@@ -144,23 +144,26 @@ def _rotate_heads(x_ptr, stride_h, out_ptr, H, c1, c2, s1, s2, d, d_ok, HALF: tl
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """F.silu(gate) * up for two tensors of one shape -> a new contiguous tensor in the reference's dtype."""
+    """F.silu(gate) * up for two tensors of one shape [..., N] -> a new contiguous tensor in the reference's dtype.
+    Rows may be strided (the two halves of a joint gate/up projection's output are read in place)."""
     assert gate.shape == up.shape
-    gate, up = gate.contiguous(), up.contiguous()
+    gate_rows, up_rows = _rows(gate), _rows(up)  # [rows, N] each
+    rows, n = gate_rows.shape
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gate_rows, up_rows, out, n, gate_rows.stride(0),
+                                                    up_rows.stride(0), BLOCK=1024)
     return out
 
 
 @jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    g = tl.load(gate_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * stride_gate + i, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + i, mask=ok, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty)  # F.silu rounds to gate's dtype
-    tl.store(out_ptr + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * n + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)

@@ -126,12 +126,13 @@ def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab, cfg: Mo
     default init: there is no target counterpart of their 2H/3H-wide inputs."""
     if cfg.init_from is not None:
         head = load_draft_head(cfg.init_from, dtype=torch.float32)
-        found = head.config if isinstance(head, Eagle3Head) else None
-        if found != config:
-            differ = [f"{f.name} {getattr(found, f.name)} (recipe: {getattr(config, f.name)})"
-                      for f in dataclasses.fields(config) if getattr(found, f.name) != getattr(config, f.name)]
-            raise ConfigError(f"model.init_from {cfg.init_from}: " + (
-                f"the head differs from the recipe's: {', '.join(differ)}" if found else "not an EAGLE-3 head"))
+        if not isinstance(head, Eagle3Head):
+            raise ConfigError(f"model.init_from {cfg.init_from}: not an EAGLE-3 head")
+        if head.config != config:
+            differ = [f"{f.name} {getattr(head.config, f.name)} (recipe: {getattr(config, f.name)})"
+                      for f in dataclasses.fields(config) if getattr(head.config, f.name) != getattr(config, f.name)]
+            raise ConfigError(f"model.init_from {cfg.init_from}: the head differs from the recipe's: "
+                              + ", ".join(differ))
         return head.train()
     head = Eagle3Head(config)
     head.set_hot_vocab(hot)
@@ -243,7 +244,11 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     aux_layers = config.aux_layers_for(target.config)
     data = _prepare_data(recipe, target, aux_layers, rank)
     batches, eval_batches = data.train, data.eval
-    head = build_head(config, target, data.hot, recipe.model)
+    ckpt_root = output / "checkpoints"
+    found = checkpoint.checkpoints(ckpt_root) if recipe.checkpoint.resume else []
+    # A checkpoint holds the whole head, vocabulary included: resuming does not read model.init_from again.
+    head = build_head(config, target, data.hot, dataclasses.replace(recipe.model, init_from=None) if found
+                      else recipe.model)
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
     engine, _, _, _ = deepspeed.initialize(
@@ -251,9 +256,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
         config=deepspeed_config(recipe, len(batches.groups[0]), bf16=dtype == torch.bfloat16),
     )
 
-    ckpt_root = output / "checkpoints"
     step, position = 0, 0
-    found = checkpoint.checkpoints(ckpt_root) if recipe.checkpoint.resume else []
     if found:
         state = checkpoint.load(engine, found[-1])
         step, position = state["step"], state["position"]

@@ -238,6 +238,7 @@ def test_bad_completion_prompt(server):
     for prompt, words in [(LONG_PROMPT, "context"), ("", "empty")]:
         r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert (r.json()["error"]["code"] == "context_length_exceeded") == (prompt == LONG_PROMPT)  # what clients skip
         assert words in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="n=1"):
         server.client().completions.create(model=MODEL, prompt="x", n=3)

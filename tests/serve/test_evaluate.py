@@ -113,7 +113,8 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, 
 
 def test_endpoint_refusing_a_prompt_skips_it(caplog):
     """A 400 that blames the prompt (too long for the context) skips it, warned and counted; the run goes on."""
-    too_long = {"param": "messages", "message": "messages: the prompt has 900 tokens; this server's context holds 512"}
+    too_long = {"param": "messages", "code": "context_length_exceeded",
+                "message": "messages: the prompt has 900 tokens; this server's context holds 512"}
     client, sent = fake_endpoint({"Long": (400, too_long)})
     questions = [["One", "Two"], ["Long", "Never asked"], ["Three"]]
     report, stats = evaluate(questions, client, None, depth=3, bench="fake", settings={}, concurrency=2)
@@ -125,9 +126,11 @@ def test_endpoint_refusing_a_prompt_skips_it(caplog):
 
 
 @pytest.mark.parametrize("status, error", [(400, {"param": "temperature", "message": "temperature: too hot"}),
+                                           (400, {"param": "messages", "message": "messages.0.role: bad role"}),
                                            (500, {"param": None, "message": "internal error"})])
 def test_endpoint_failing_otherwise_fails_the_run(status, error):
-    """A 400 that blames the settings (it would fail every prompt) or a server error stops the run."""
+    """Any other 400 (bad settings, a malformed conversation: every prompt would fail alike) or a server error
+    stops the run."""
     client, _ = fake_endpoint({"Two": (status, error)})
     with pytest.raises(RuntimeError, match=f"HTTP {status}: .*{error['message']}"):
         evaluate([["One"], ["Two"]], client, None, depth=3, bench="fake", settings={})

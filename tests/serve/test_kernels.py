@@ -74,9 +74,12 @@ def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=kernels.ro
     assert_matches(k_out, apply_rotary(k, cos, sin), dtype)
 
 
-def check_silu_mul(device, dtype, shape, impl=kernels.silu_mul):
+def check_silu_mul(device, dtype, shape, impl=kernels.silu_mul, joint=False):
+    """joint: gate and up are the halves of one [..., 2N] tensor (a joint gate/up projection's output), rows strided."""
     gate = randn(*shape, dtype=dtype, device=device, seed=0, scale=4.0)  # well into both tails of SiLU
     up = randn(*shape, dtype=dtype, device=device, seed=1)
+    if joint:
+        gate, up = torch.cat([gate, up], dim=-1).chunk(2, dim=-1)
     assert_matches(impl(gate, up), F.silu(gate) * up, dtype)
 
 
@@ -148,8 +151,9 @@ def test_rotary_cuda(dtype, Hq, Hkv, D, B, T, strided):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1, 14336), (4, 300, 14336), (64, 1, 1536), (1, 4096, 1536)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_silu_mul_cuda(dtype, shape):
-    check_silu_mul("cuda", dtype, shape)
+@pytest.mark.parametrize("joint", [False, True], ids=["separate", "joint"])
+def test_silu_mul_cuda(dtype, shape, joint):
+    check_silu_mul("cuda", dtype, shape, joint=joint)
 
 
 @pytest.mark.gpu
@@ -212,8 +216,9 @@ def test_rotary_interpreter(interpreter, dtype, case):
 
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 3, 700)], ids=str)
 @pytest.mark.parametrize("dtype", HALVES, ids=_id)
-def test_silu_mul_interpreter(interpreter, dtype, shape):
-    interpreter(check_silu_mul, "cpu", dtype, shape)
+@pytest.mark.parametrize("joint", [False, True], ids=["separate", "joint"])
+def test_silu_mul_interpreter(interpreter, dtype, shape, joint):
+    interpreter(check_silu_mul, "cpu", dtype, shape, kernels.silu_mul, joint)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -4,6 +4,7 @@ SIGTERM (which checkpoints the step it was on), resumes to bit-identical weights
 and exports as ZeRO-1 does; the loss falls on an overfit."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,19 @@ def test_init_from_trains_an_earlier_head_further(full_run, tmp_path):
         assert torch.equal(want[name], got[name]), name
     fresh = train(load_recipe("ci-tiny", QUIET + more), tmp_path / "fresh")
     assert not torch.equal(load_file(fresh / "model.safetensors")["d2t"], want["d2t"])
+
+
+def test_a_resumed_init_from_run_needs_no_init_from(full_run, tmp_path):
+    """Stopped after its step-2 checkpoint, the run resumes from it alone: the head it started from is gone."""
+    _, run = full_run
+    start = tmp_path / "start"
+    shutil.copytree(run / "final", start)
+    recipe = load_recipe("ci-tiny", QUIET + [f"model.init_from={start}"])
+    assert train(load_recipe("ci-tiny", QUIET + [f"model.init_from={start}", "checkpoint.stop_after=2"]),
+                 tmp_path / "run") is None
+    shutil.rmtree(start)
+    assert train(recipe, tmp_path / "run") == tmp_path / "run" / "final"
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, recipe.optim.total_steps + 1))
 
 
 def test_init_from_refuses_a_head_of_another_shape(full_run, tmp_path):
