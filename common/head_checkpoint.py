@@ -60,12 +60,11 @@ def _speculators_layer_config(cfg: dict[str, Any], source: str) -> dict[str, Any
 def head_config_path(path: str | Path) -> Path:
     """A head directory's config.json; FileNotFoundError naming the directory and what it lacks (cheap: callers
     check before loading anything large)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        path = Path(path)
+    path = Path(path)
+    if not (path / "config.json").is_file():
         missing = "no config.json" if path.is_dir() else "not a directory" if path.exists() else "no such directory"
         raise FileNotFoundError(f"draft head {path}: {missing}")
-    return config
+    return path / "config.json"
 
 
 def load_draft_head(
@@ -79,8 +78,9 @@ def load_draft_head(
     """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head; `token_map`
     (an FR-Spec `freq_N.pt`) restricts it. `dtype` None keeps the checkpoint's."""
     path = Path(path)
-    source = str(head_config_path(path))
-    cfg = read_json(path / "config.json")
+    config_path = head_config_path(path)
+    source = str(config_path)
+    cfg = read_json(config_path)
     kind = head_kind(cfg, source)
     tensors = read_weights_dir(path)
     if kind == "eagle":

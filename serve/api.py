@@ -250,10 +250,9 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
         max_new = body.new_tokens or worker.engine.context_limit  # the engine also stops at the context's end
         try:
             stream = await worker.submit(prompt, params, max_new, stop_ids)
-        except PromptTooLong as e:  # OpenAI's code for it: clients can tell it from a bad request
-            raise APIError(400, f"{prompt_field}: {e}", param=prompt_field, code="context_length_exceeded") from None
-        except ValueError as e:
-            raise APIError(400, f"{prompt_field}: {e}", param=prompt_field) from None
+        except ValueError as e:  # a prompt too long gets OpenAI's code for it: clients can tell it from a bad one
+            code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
+            raise APIError(400, f"{prompt_field}: {e}", param=prompt_field, code=code) from None
         except ShuttingDown as e:
             raise APIError(503, str(e), "service_unavailable") from None
         return Generation(worker, stream, TextStream(tokenizer, body.stop), stop_ids)
