@@ -13,6 +13,7 @@ Shapes: B requests, k = topk, H = draft hidden, Vd = draft vocabulary.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from eyas.common.attention import causal_mask
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
-from .attention.paged import PagedAttention
+from .attention.paged import PagedAttention, slots_of
 from .cuda_graphs import GraphCache
 from .kv_cache import KVPool
 from .tree import DraftTree, TreeBuilder
@@ -55,12 +56,12 @@ class DraftState:
     """Per request, after an extension: the draft's output at the last position."""
 
     hidden: Tensor  # [H] the next step's hidden input for the root's children
-    logp: Tensor  # [Vd] draft log-probs of the root's children
+    logits: Tensor  # [Vd] draft logits of the root's children
 
 
-def draft_states(hidden: Tensor, logp: Tensor) -> list[DraftState]:
-    """hidden [B, H], logp [B, Vd] -> one state per row (views)."""
-    return [DraftState(h, p) for h, p in zip(hidden.unbind(), logp.unbind(), strict=True)]
+def draft_states(hidden: Tensor, logits: Tensor) -> list[DraftState]:
+    """hidden [B, H], logits [B, Vd] -> one state per row (views)."""
+    return [DraftState(h, x) for h, x in zip(hidden.unbind(), logits.unbind(), strict=True)]
 
 
 class Drafter:
@@ -68,9 +69,10 @@ class Drafter:
     captures `extend` in its accept phase's graph; their inputs are then padded to fixed shapes by the engine."""
 
     def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, attention: type[PagedAttention],
-                 graphs: GraphCache):
+                 graphs: GraphCache, top_log_probs: Callable[[Tensor, int], tuple[Tensor, Tensor]]):
         self.head, self.target, self.pool, self.attention = head, target, pool, attention
         self.graphs = graphs
+        self.top_log_probs = top_log_probs  # `tree.top_log_probs` or its fused kernel
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
 
     def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor
@@ -81,7 +83,7 @@ class Drafter:
         target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding, their KV
         lands in the request's reserved positions); next_tokens [B, T]: the token at position p + 1 for
         each p; start, lengths [B]; table [B, M] the requests' blocks.
-        Returns the draft's output hidden [B, H] and log-probs [B, Vd] at each request's last extended position
+        Returns the draft's output hidden [B, H] and logits [B, Vd] at each request's last extended position
         (`draft_states` makes them per-request states).
         """
         B, T = next_tokens.shape
@@ -93,36 +95,42 @@ class Drafter:
         out = self.head.step(embeds, features, positions, attn)  # [B, T, H]
         last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
         hidden = out.gather(1, last)[:, 0]  # [B, H]
-        return hidden, self.head.logits(hidden).float().log_softmax(-1)  # [B, H], [B, Vd]
+        return hidden, self.head.logits(hidden)  # [B, H], [B, Vd]
 
     def draft_tree(self, shape: TreeShape, roots: Tensor, states: list[DraftState], lengths: Tensor, table: Tensor
                    ) -> DraftTree:
         """roots [B] target ids at positions `lengths` (n); table [B, M] blocks covering n + scratch; `states`
         may be fewer than B (the rest are padding rows). Returns the tree to verify, tokens as target ids."""
         hidden = torch.stack([s.hidden for s in states])  # [B', H]
-        logp = torch.stack([s.logp for s in states])
+        logits = torch.stack([s.logits for s in states])
         if len(states) < len(roots):  # padding rows draft from zeros; their trees are ignored
             pad = len(roots) - len(states)
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-            logp = torch.cat([logp, logp.new_zeros(pad, logp.shape[1])])
+            logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
         draft = functools.partial(self._draft_tree, shape)
-        return DraftTree(*self.graphs(f"draft {shape}", draft, roots, hidden, logp, lengths, table))
+        return DraftTree(*self.graphs(f"draft {shape}", draft, roots, hidden, logits, lengths, table))
 
-    def _draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logp: Tensor, lengths: Tensor,
+    def _draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,
                     table: Tensor):
         k = shape.topk
         B = len(roots)
         builder = TreeBuilder(roots, k)
-        tokens = builder.first(logp)  # [B, k] draft indices
+        tokens = builder.first(*self.top_log_probs(logits, k))  # [B, k] draft indices
         hidden = hidden[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
+        # Drafted node j (in drafting order) keeps its KV at position n + j; pass d drafts nodes k(d-1) .. kd-1, at
+        # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], positions [B, num_steps].
+        prefix = lengths.to(torch.int32)
+        nodes = torch.arange(shape.scratch, device=roots.device)
+        slots = slots_of(table, lengths[:, None] + nodes, self.pool.block_size)
+        draft_positions = lengths[:, None] - 1 + torch.arange(shape.num_steps, device=roots.device)
         for depth in range(1, shape.num_steps):
-            # Drafted node j (in drafting order) keeps its KV at position n + j: the window is the nodes
-            # drafted so far, the frontier (the last k) sees its drafted ancestors.
-            attn = self.attention(self.pool, table, lengths, builder.frontier_mask())
-            positions = (lengths - 1 + depth)[:, None].expand(B, k)
+            # The window is the nodes drafted so far; the frontier (the last k) sees its drafted ancestors.
+            attn = self.attention(self.pool, table, prefix, builder.frontier_mask(),
+                                  new_slots=slots[:, k * (depth - 1) : k * depth])
+            positions = draft_positions[:, depth, None].expand(B, k)
             embeds = self.target.embed_tokens(self.hot.to_target(tokens))
             out = self.head.step(embeds, hidden, positions, attn)  # [B, k, H]
-            tokens = builder.extend(self.head.logits(out).float().log_softmax(-1))
+            tokens = builder.extend(*self.top_log_probs(self.head.logits(out), k))
             rows = builder.frontier_parent_rows[:, :, None].expand(-1, -1, out.shape[-1])
             hidden = out.gather(1, rows)
         tree = builder.finalize(shape.num_draft_tokens)

@@ -54,7 +54,7 @@ from .cuda_graphs import GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, make_generator
-from .tree import DraftTree, root_only
+from .tree import DraftTree, root_only, top_log_probs
 from .verify import verify_greedy, verify_sampling
 
 
@@ -138,13 +138,15 @@ class Engine:
         self.target = target
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
+        draft_top_k = top_log_probs  # the draft's best children per node
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
-            from .kernels import install
+            from . import kernels
 
             torch.cuda.set_device(self.device)  # Triton launches on the current device
             for model in (target, head):  # fused elementwise kernels (the layers' torch ones are the reference)
                 if model is not None:
-                    install(model)
+                    kernels.install(model)
+            draft_top_k = kernels.top_log_probs
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -170,7 +172,7 @@ class Engine:
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
             draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
-            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs)
+            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_top_k)
             self.aux_layers = head.target_layers(tcfg)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
@@ -422,13 +424,13 @@ class Engine:
             if pad:
                 path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in (path, m, last))
             inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
-            hidden, logp, *moves = self.graphs(f"accept, path {T}, move {move}",
+            hidden, logits, *moves = self.graphs(f"accept, path {T}, move {move}",
                                                functools.partial(self._follow_path, T, move), *inputs)
             if moves:  # eager, after the graph: a move is not idempotent, and a graph's first call runs thrice
                 self.pool.move(*moves)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
-                hidden, logp = hidden.clone(), logp.clone()
-            states = draft_states(hidden, logp)
+                hidden, logits = hidden.clone(), logits.clone()
+            states = draft_states(hidden, logits)
         # One copy to the host: per request [num_accepted, bonus, accepted path (N), tree tokens (N)].
         host = torch.cat([num_accepted[:B, None], bonus[:B, None], accepted[:B], tree.tokens[:B]], dim=1).tolist()
         for b, request in enumerate(requests):
@@ -445,7 +447,7 @@ class Engine:
         along the path's first T nodes (rows past num_accepted + 1 are padding) and, with `move`, the pool rows its
         target KV moves between. path [B', N] node indices (accepted, then -1); num_accepted, bonus, n [B'];
         tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows' tables hold only
-        the scratch block, so whatever they accept is written there. -> the draft's hidden [B', H] and logp
+        the scratch block, so whatever they accept is written there. -> the draft's hidden [B', H] and logits
         [B', Vd] at each row's last accepted node, then with `move` the source and destination rows [2·L·B'·T]
         (`KVPool.move`)."""
         nodes = path[:, :T].clamp(min=0)  # [B', T]

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from eyas.common.layers import KERNEL_USERS, Kernels
 
+from . import tree
+
 jit = triton.jit
 
 
@@ -164,6 +166,79 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK
     up = tl.load(up_ptr + row * stride_up + i, mask=ok, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty)  # F.silu rounds to gate's dtype
     tl.store(out_ptr + row * n + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+TOP_CHUNK = 2048  # vocabulary entries per program of `top_log_probs`' first kernel
+TOP_MAX_K = 32  # larger k: the torch reference
+
+
+def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`eyas.serve.tree.top_log_probs` (the k best of logits.float().log_softmax(-1), descending, and their
+    indices) in two launches where torch takes about fifteen (cast, log-softmax, a multi-pass radix top-k).
+
+    First, one program per (row, chunk of TOP_CHUNK entries) keeps its chunk's k best and its log-sum-exp terms
+    [rows, chunks, ·]; then one program per row merges them. Among equal logits the lower index ranks first."""
+    V = logits.shape[-1]
+    assert 1 <= k <= V, f"top {k} of {V} entries"
+    if k > TOP_MAX_K:
+        return tree.top_log_probs(logits, k)
+    x = _rows(logits)
+    rows, chunks = x.shape[0], triton.cdiv(V, TOP_CHUNK)
+    k_pow2, device = triton.next_power_of_2(k), logits.device
+    best = torch.empty(rows, chunks, k_pow2, dtype=torch.float32, device=device)  # each chunk's k best logits
+    where = torch.empty(rows, chunks, k_pow2, dtype=torch.int64, device=device)  # and their vocabulary indices
+    maxima, sums = (torch.empty(rows, chunks, dtype=torch.float32, device=device) for _ in range(2))
+    _chunk_top_kernel[(rows, chunks)](x, best, where, maxima, sums, x.stride(0), V, K=k, K_POW2=k_pow2,
+                                      BLOCK=TOP_CHUNK, num_warps=8)
+    values = torch.empty(rows, k, dtype=torch.float32, device=device)
+    indices = torch.empty(rows, k, dtype=torch.int64, device=device)
+    _merge_top_kernel[(rows,)](best, where, maxima, sums, values, indices, chunks, K=k, K_POW2=k_pow2,
+                               CHUNKS_POW2=triton.next_power_of_2(chunks))
+    shape = logits.shape[:-1] + (k,)
+    return values.view(shape), indices.view(shape)
+
+
+@jit
+def _chunk_top_kernel(x_ptr, best_ptr, where_ptr, max_ptr, sum_ptr, stride_x, V, K: tl.constexpr,
+                      K_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    chunks = tl.num_programs(1)
+    m = tl.max(x, 0)
+    tl.store(max_ptr + row * chunks + chunk, m)
+    tl.store(sum_ptr + row * chunks + chunk, tl.sum(tl.exp(x - m), 0))
+    slots = tl.arange(0, K_POW2)
+    best = tl.full([K_POW2], float("-inf"), tl.float32)
+    where = tl.zeros([K_POW2], tl.int64)
+    for j in tl.static_range(K):  # the j-th best: the first maximum left, then taken out
+        at = tl.argmax(x, 0)
+        best = tl.where(slots == j, tl.max(x, 0), best)
+        where = tl.where(slots == j, chunk * BLOCK + at, where)
+        x = tl.where(tl.arange(0, BLOCK) == at, float("-inf"), x)
+    out = (row * chunks + chunk) * K_POW2 + slots
+    tl.store(best_ptr + out, best)
+    tl.store(where_ptr + out, where)
+
+
+@jit
+def _merge_top_kernel(best_ptr, where_ptr, max_ptr, sum_ptr, values_ptr, indices_ptr, chunks, K: tl.constexpr,
+                      K_POW2: tl.constexpr, CHUNKS_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_POW2)
+    m = tl.load(max_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"))
+    s = tl.load(sum_ptr + row * chunks + c, mask=c < chunks, other=0.0)
+    top = tl.max(m, 0)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+    # Candidates [CHUNKS_POW2 * K_POW2] in chunk order, each chunk's best first: the first maximum is the lowest index.
+    i = tl.arange(0, CHUNKS_POW2 * K_POW2)
+    ok = (i // K_POW2 < chunks) & (i % K_POW2 < K)
+    cand = tl.load(best_ptr + row * chunks * K_POW2 + i, mask=ok, other=float("-inf"))
+    for j in tl.static_range(K):
+        at = tl.argmax(cand, 0)
+        tl.store(values_ptr + row * K + j, tl.max(cand, 0) - lse)
+        tl.store(indices_ptr + row * K + j, tl.load(where_ptr + row * chunks * K_POW2 + at))
+        cand = tl.where(i == at, float("-inf"), cand)
 
 
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)

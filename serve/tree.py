@@ -41,16 +41,23 @@ class DraftTree:
     scores: Tensor | None = None
 
 
+def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """logits [..., V] -> the k best draft log-probs [..., k] float32 (descending) and their indices [..., k].
+    The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.top_log_probs`."""
+    return logits.float().log_softmax(-1).topk(k, dim=-1)
+
+
 class TreeBuilder:
-    """Grows the candidate pool pass by pass; the engine runs the draft between the calls.
+    """Grows the candidate pool pass by pass; the engine runs the draft between the calls. Each pass hands it
+    its top-k children per node (`top_log_probs` of the draft's logits): log-probs and tokens.
 
         builder = TreeBuilder(root_tokens, topk)
-        tokens = builder.first(logp0)                     # [B, k] depth-1 frontier
+        tokens = builder.first(*top_log_probs(logits0, topk))   # [B, k] depth-1 frontier
         for _ in range(num_steps - 1):
             rows = builder.frontier_parent_rows            # [B, k]: which previous frontier row each one extends
             mask = builder.frontier_mask()                 # [B, k, P]: frontier vs the P drafted nodes so far
-            logp = <draft pass on tokens, at depth builder.depth, hidden of rows, attending by mask>
-            tokens = builder.extend(logp)                 # [B, k, V] -> next frontier [B, k]
+            logits = <draft pass on tokens, at depth builder.depth, hidden of rows, attending by mask>
+            tokens = builder.extend(*top_log_probs(logits, topk))   # [B, k, k] each -> next frontier [B, k]
         tree = builder.finalize(num_draft_tokens)
     """
 
@@ -81,13 +88,12 @@ class TreeBuilder:
         self.depths.append(torch.full((B, m), self.depth, dtype=torch.long, device=tokens.device))
         return torch.arange(start, start + m, device=tokens.device).expand(B, m)
 
-    def first(self, logp: Tensor) -> Tensor:
-        """logp [B, V]: the draft's log-probs at the root -> the depth-1 frontier tokens [B, k]."""
+    def first(self, scores: Tensor, tokens: Tensor) -> Tensor:
+        """The root's top-k children, their log-probs and tokens [B, k] -> the depth-1 frontier tokens [B, k]."""
         self.depth = 1
-        scores, tokens = logp.topk(self.k, dim=-1)  # [B, k]
         self.frontier = self._add(tokens, scores, torch.zeros_like(tokens))
         self.frontier_parent_rows = None
-        self._frontier_ancestors = torch.eye(self.k, dtype=torch.bool, device=logp.device).expand(len(logp), -1, -1)
+        self._frontier_ancestors = torch.eye(self.k, dtype=torch.bool, device=scores.device).expand(len(scores), -1, -1)
         return tokens
 
     def frontier_mask(self) -> Tensor:
@@ -95,11 +101,10 @@ class TreeBuilder:
         sees itself and its drafted ancestors (the draft's own KV of this tree)."""
         return self._frontier_ancestors
 
-    def extend(self, logp: Tensor) -> Tensor:
-        """logp [B, k, V]: the draft's log-probs at the frontier -> the next frontier tokens [B, k]."""
-        B, k, _ = logp.shape
+    def extend(self, child_scores: Tensor, child_tokens: Tensor) -> Tensor:
+        """Each frontier node's top-k children, log-probs and tokens [B, k, k] -> the next frontier tokens [B, k]."""
+        B, k, _ = child_scores.shape
         self.depth += 1
-        child_scores, child_tokens = logp.topk(self.k, dim=-1)  # [B, k, k]
         parent_ids = self.frontier  # [B, k]
         parent_scores = torch.cat(self.scores, dim=1).gather(1, parent_ids)  # [B, k]
         scores = (parent_scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
@@ -112,7 +117,7 @@ class TreeBuilder:
         # A new frontier node's drafted ancestors: its parent's (parent included), then itself.
         prev = self._frontier_ancestors  # [B, k, P]
         inherited = prev.gather(1, rows[:, :, None].expand(-1, -1, prev.shape[2]))
-        own = torch.eye(k, dtype=torch.bool, device=logp.device).expand(B, -1, -1)
+        own = torch.eye(k, dtype=torch.bool, device=child_scores.device).expand(B, -1, -1)
         self._frontier_ancestors = torch.cat([inherited, own], dim=2)  # [B, k, P + k]
         return child_tokens.flatten(1).gather(1, best)
 

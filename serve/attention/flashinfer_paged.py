@@ -38,8 +38,9 @@ def _wrapper(pool: KVPool) -> flashinfer.BatchPrefillWithPagedKVCacheWrapper:
 class FlashInferPagedAttention(PagedAttention):
     """One forward's view, attended by FlashInfer's paged prefill with a custom mask; planned at the first layer."""
 
-    def __init__(self, pool: KVPool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
-        super().__init__(pool, block_table, prefix_lens, window_mask)
+    def __init__(self, pool: KVPool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor,
+                 new_slots: Tensor | None = None):
+        super().__init__(pool, block_table, prefix_lens, window_mask, new_slots)
         B, T, W = window_mask.shape
         bs = pool.block_size
         kv_lens = prefix_lens.long() + W  # [B] keys per row

@@ -31,13 +31,18 @@ class PagedAttention(AttentionMetadata):
 
     graph_safe = False  # whether a forward through it can be captured in a CUDA graph (no host syncs)
 
-    def __init__(self, pool: KVPool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
+    def __init__(self, pool: KVPool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor,
+                 new_slots: Tensor | None = None):
+        """`new_slots` [B, T]: the new tokens' cache slots, where the caller has looked them up already (the
+        draft's passes over one tree slice them from one lookup); None: looked up here."""
         # int32 like the block table: kernels index with them (and mixing int widths breaks Triton's typing).
         prefix_lens = prefix_lens.to(torch.int32)
         self.pool, self.block_table, self.prefix_lens, self.window_mask = pool, block_table, prefix_lens, window_mask
-        B, T, W = window_mask.shape
-        positions = prefix_lens[:, None].long() + (W - T) + torch.arange(T, device=window_mask.device)  # [B, T]
-        self.new_slots = slots_of(block_table, positions, pool.block_size)
+        if new_slots is None:
+            B, T, W = window_mask.shape
+            positions = prefix_lens[:, None].long() + (W - T) + torch.arange(T, device=window_mask.device)  # [B, T]
+            new_slots = slots_of(block_table, positions, pool.block_size)
+        self.new_slots = new_slots
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Stores the new tokens' k/v in layer `layer`'s cache; returns that layer's (k_cache, v_cache)."""

@@ -16,8 +16,9 @@ from .paged import PagedAttention, dense_view, seeing
 class TorchPagedAttention(PagedAttention):
     """One forward's view (see `paged.py`), attended by gathering keys and running masked SDPA."""
 
-    def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor):
-        super().__init__(pool, block_table, prefix_lens, window_mask)
+    def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor,
+                 new_slots: Tensor | None = None):
+        super().__init__(pool, block_table, prefix_lens, window_mask, new_slots)
         self.kv_slots, self.mask = dense_view(block_table, prefix_lens, window_mask, pool.block_size)
         self.sees_any = seeing(self.mask)  # the same for every layer, so computed once
 

@@ -49,9 +49,15 @@ class TritonPagedAttention(PagedAttention):
     graph_safe = True
 
     def __init__(self, pool, block_table: Tensor, prefix_lens: Tensor, window_mask: Tensor,
-                 num_splits: int | None = None):
-        super().__init__(pool, block_table, prefix_lens, window_mask)
+                 new_slots: Tensor | None = None, num_splits: int | None = None):
+        super().__init__(pool, block_table, prefix_lens, window_mask, new_slots)
         self.num_splits = num_splits
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """As the base class's, in one launch for both (indexed assignment is one kernel each)."""
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        store_kv(k_cache, v_cache, self.new_slots, k, v)
+        return k_cache, v_cache
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.write(layer, k, v)
@@ -83,7 +89,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
     partial = out if splits == 1 else torch.empty(splits, B, T, Hq, D, dtype=torch.float32, device=q.device)
     lse = out if splits == 1 else torch.empty(splits, B, T, Hq, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(tiles, B * Hkv, splits)](
-        q, k_cache, v_cache, block_table, prefix_lens, window_mask.view(torch.uint8), partial, lse,
+        q, k_cache, v_cache, block_table, prefix_lens, window_mask, partial, lse,
         *q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], block_table.stride(0),
         *window_mask.stride(),
         B, T, W, Hkv, splits, math.log2(math.e) / math.sqrt(D),
@@ -97,6 +103,29 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
             SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=D,
         )
     return out
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v: caches [num_slots, Hkv, D] (contiguous), slots [B, T], k / v
+    [B, T, Hkv, D] whose (Hkv, D) rows are contiguous (a view of a joint projection's output is fine).
+    One program per token."""
+    B, T, Hkv, D = k.shape
+    k, v = (x if x.stride(3) == 1 and x.stride(2) == D else x.contiguous() for x in (k, v))
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.shape == (B, T) and slots.stride(1) == 1
+    _store_kv_kernel[(B * T,)](k, v, slots, k_cache, v_cache, T, *k.stride()[:2], *v.stride()[:2], slots.stride(0),
+                               ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D))
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, T, stride_kb, stride_kt, stride_vb,
+                     stride_vt, stride_sb, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    b, t = token // T, token % T
+    slot = tl.load(slots_ptr + b * stride_sb + t).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < ROW
+    tl.store(k_cache_ptr + slot * ROW + i, tl.load(k_ptr + b * stride_kb + t * stride_kt + i, mask=ok), mask=ok)
+    tl.store(v_cache_ptr + slot * ROW + i, tl.load(v_ptr + b * stride_vb + t * stride_vt + i, mask=ok), mask=ok)
 
 
 def launch_config(B: int, rows: int, Hkv: int, max_keys: int, num_sms: int) -> tuple[int, int, int, int]:

@@ -114,7 +114,8 @@ def compare(case: Case, device: str, backend) -> float:
     out = backend(pool, block_table, prefix_lens, window_mask).attend(LAYER, q, k, v)
 
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.equal(pool.k[LAYER].float(), ref_pool.k[LAYER])  # both wrote the new k/v to the same slots
+    for ours, theirs in ((pool.k, ref_pool.k), (pool.v, ref_pool.v)):  # both wrote the new k/v to the same slots
+        assert torch.equal(ours[LAYER].float(), theirs[LAYER])
     if case.padding:
         assert (out[-case.padding:] == 0).all()
     tol = TOLERANCE[case.dtype]

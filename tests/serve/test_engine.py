@@ -4,6 +4,7 @@ returned; preemption and aborts never lose or corrupt a request."""
 import pytest
 import torch
 
+from eyas.common.attention import CausalAttention, MaskedAttention, causal_mask
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
@@ -11,6 +12,7 @@ from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.generate import greedy_tokens
 from eyas.serve.sampling import SamplingParams
+from eyas.serve.tree import TreeBuilder, top_log_probs
 
 GREEDY = SamplingParams(temperature=0)
 SHAPES = {"chain": TreeShape(4, 1, 5), "tree": TreeShape(3, 3, 8), "wide": TreeShape(4, 4, 16)}
@@ -44,6 +46,63 @@ def test_speculative_greedy_equals_target_greedy(target, shape, batch):
     assert [r.output for r in requests] == reference
     assert all(r.finish_reason == "length" for r in requests)
     assert engine.pool.allocator.num_free == 256
+
+
+def reference_tree(engine: Engine, request, shape: TreeShape, top_k):
+    """The tree EAGLE-2 drafts for `request` right after its prefill, recomputed without the paged cache: every
+    pass runs the head over the whole prompt plus the nodes drafted so far, under an explicit mask (the head's
+    one layer gives each position's k/v from its own inputs alone, so only the frontier's rows matter).
+    `top_k(logits, k)` picks each pass's children."""
+    head, target, hot, k = engine.drafter.head, engine.target, engine.drafter.hot, shape.topk
+    ids = torch.tensor([request.tokens])  # the prompt and the root (the first generated token)
+    P = len(request.prompt)
+    out = target(ids[:, :P], torch.arange(P)[None], CausalAttention(), aux_layers=engine.aux_layers)
+    embeds, hidden, positions = target.embed_tokens(ids[:, 1:]), head.project_target(out), torch.arange(P)
+    mask = causal_mask(P)
+    builder = TreeBuilder(ids[:, P], k)
+    o = head.step(embeds, hidden, positions[None], MaskedAttention(mask[None]))
+    tokens = builder.first(*top_k(head.logits(o[:, -1]), k))
+    parents_out = o[:, -1:].expand(1, k, -1)
+    for depth in range(1, shape.num_steps):
+        embeds = torch.cat([embeds, target.embed_tokens(hot.to_target(tokens))], dim=1)
+        hidden = torch.cat([hidden, parents_out], dim=1)
+        positions = torch.cat([positions, torch.full((k,), P - 1 + depth)])
+        S = len(positions)  # earlier nodes' rows see the prompt and themselves; their outputs are not read
+        rows = torch.cat([mask, torch.ones(S - len(mask), len(mask), dtype=torch.bool)])
+        mask = torch.cat([rows, torch.eye(S, dtype=torch.bool)[:, len(mask):]], dim=1)
+        mask[-k:, P:] = builder.frontier_mask()[0]
+        o = head.step(embeds, hidden, positions[None], MaskedAttention(mask[None]))[:, -k:]
+        tokens = builder.extend(*top_k(head.logits(o), k))
+        parents_out = o.gather(1, builder.frontier_parent_rows[:, :, None].expand(-1, -1, o.shape[-1]))
+    tree = builder.finalize(shape.num_draft_tokens)
+    return torch.cat([ids[:, P:], hot.to_target(tree.tokens[:, 1:])], dim=1), tree.parents
+
+
+def recording(seen: list):
+    """top_log_probs that also keeps every logits tensor it is given."""
+    def top_k(logits, k):
+        seen.append(logits.clone())
+        return top_log_probs(logits, k)
+    return top_k
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@torch.no_grad()
+def test_drafted_tree_equals_uncached_drafting(target, shape):
+    """The draft's paged KV (the prompt's, extended at prefill, and each pass's frontier at its scratch slots) gives
+    every pass the logits, and so the tree, that a cache-free recomputation gives."""
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES[shape], block_size=4, num_blocks=64))
+    request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=8)
+    engine.step()  # the prefill: the first token, the draft extended over the prompt
+    served, recomputed = [], []
+    engine.drafter.top_log_probs = recording(served)
+    tree = engine.drafter.draft_tree(SHAPES[shape], torch.tensor([request.last_token]), [request.draft],
+                                     torch.tensor([request.cached]), engine._block_table([request]))
+    tokens, parents = reference_tree(engine, request, SHAPES[shape], recording(recomputed))
+    assert len(served) == len(recomputed) == SHAPES[shape].num_steps
+    for ours, theirs in zip(served, recomputed, strict=True):
+        torch.testing.assert_close(ours, theirs.view(ours.shape), atol=1e-5, rtol=1e-5)
+    assert torch.equal(tree.tokens, tokens) and torch.equal(tree.parents, parents)
 
 
 @pytest.mark.parametrize("graphs", [False, True])

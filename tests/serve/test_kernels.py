@@ -83,6 +83,22 @@ def check_silu_mul(device, dtype, shape, impl=kernels.silu_mul, joint=False):
     assert_matches(impl(gate, up), F.silu(gate) * up, dtype)
 
 
+def check_top_log_probs(device, dtype, shape, k, ties=False, impl=kernels.top_log_probs):
+    """logits [*shape] -> the k best log-probs and indices, as a stable descending sort of the float log-softmax
+    ranks them (equal logits: lower index first). `ties`: integer logits, most of them tied."""
+    if ties:
+        gen = torch.Generator().manual_seed(0)
+        logits = torch.randint(0, 4, shape, generator=gen).to(dtype=dtype, device=device)
+    else:
+        logits = randn(*shape, dtype=dtype, device=device, seed=0, scale=3.0)
+    logp = logits.float().log_softmax(-1)
+    order = logp.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    values, indices = impl(logits, k)
+    assert values.dtype == torch.float32 and indices.dtype == torch.int64 and values.shape == order.shape
+    assert torch.equal(indices, order)
+    torch.testing.assert_close(values, logp.gather(-1, order), atol=1e-5, rtol=1e-5)
+
+
 def check_model(path, device, dtype, rel_tol, T):
     """The whole TargetModel forward on 2 rows of T tokens (final hidden, aux states, logits) with the fused kernels
     installed vs the torch ones, each fused kernel called where expected."""
@@ -157,6 +173,15 @@ def test_silu_mul_cuda(dtype, shape, joint):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [((1, 32000), 8, False), ((8, 32000), 8, False), ((64, 8, 32000), 8, True),
+                                  ((3, 49152), 10, False), ((2, 1000), 1, True), ((4, 128256), 32, False),
+                                  ((2, 500), 40, False)], ids=str)  # k > TOP_MAX_K: the torch path
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_top_log_probs_cuda(dtype, case):
+    check_top_log_probs("cuda", dtype, *case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_model_cuda(family, hf_checkpoint):
     check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 1e-2, 300)
@@ -221,6 +246,12 @@ def test_silu_mul_interpreter(interpreter, dtype, shape, joint):
     interpreter(check_silu_mul, "cpu", dtype, shape, kernels.silu_mul, joint)
 
 
+@pytest.mark.parametrize("case", [((2, 3, 4100), 4, False), ((1, 70), 8, False), ((5, 2048), 3, True),
+                                  ((2, 3000), 1, True)], ids=str)
+def test_top_log_probs_interpreter(interpreter, case):
+    interpreter(check_top_log_probs, "cpu", torch.float32, *case)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_model_interpreter(interpreter, family, hf_checkpoint):
     interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, 9)
@@ -238,11 +269,17 @@ def _silu_of_up(gate, up):
     return kernels.silu_mul(up, gate)
 
 
+def _top_of_unnormalised(logits, k):
+    values, indices = logits.float().topk(k, dim=-1)
+    return values, indices
+
+
 @pytest.mark.parametrize("check, args", [
     (check_rms_norm, ("cpu", torch.float32, 7, 96, True, False, None, _norm_without_eps)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
-], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up"])
+    (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
+], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up", "top-of-unnormalised"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):

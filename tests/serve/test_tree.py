@@ -2,7 +2,7 @@
 
 import torch
 
-from eyas.serve.tree import TreeBuilder, ancestor_mask
+from eyas.serve.tree import TreeBuilder, ancestor_mask, top_log_probs
 
 
 def logp_row(V, **token_logp):
@@ -17,11 +17,11 @@ def test_worked_example_from_the_docstring():
     """k=2, 2 passes, 4 nodes. Tokens: a=1, b=2, c=3, d=4, e=5, f=6; root token 9."""
     V = 10
     builder = TreeBuilder(torch.tensor([9]), topk=2)
-    frontier = builder.first(logp_row(V, t1=-0.1, t2=-0.5)[None])
+    frontier = builder.first(*logp_row(V, t1=-0.1, t2=-0.5)[None].topk(2))
     assert frontier.tolist() == [[1, 2]]
     assert builder.frontier_mask().tolist() == [[[True, False], [False, True]]]
     logp = torch.stack([logp_row(V, t3=-0.2, t4=-0.9), logp_row(V, t5=-0.2, t6=-1.5)])[None]  # [1, 2, V]
-    frontier = builder.extend(logp)
+    frontier = builder.extend(*logp.topk(2))
     # children scores: c -0.3, d -1.0, e -0.7, f -2.0 -> frontier [c, e] (creation order), rows [a, b]
     assert frontier.tolist() == [[3, 5]]
     assert builder.frontier_parent_rows.tolist() == [[0, 1]]
@@ -40,11 +40,11 @@ def test_chain_when_topk_is_one():
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(2, V, generator=g).log_softmax(-1)
     expected = [logp.argmax(-1)]
-    builder.first(logp)
+    builder.first(*top_log_probs(logp, 1))
     for _ in range(steps - 1):
         logp = torch.randn(2, 1, V, generator=g).log_softmax(-1)
         expected.append(logp[:, 0].argmax(-1))
-        builder.extend(logp)
+        builder.extend(*top_log_probs(logp, 1))
     tree = builder.finalize(steps + 1)
     assert tree.tokens[:, 1:].tolist() == torch.stack(expected, 1).tolist()
     assert tree.parents.tolist() == [[-1, 0, 1, 2, 3]] * 2
@@ -58,9 +58,9 @@ def test_kept_nodes_form_a_tree_with_parents_first():
     for k, steps, n in [(2, 3, 6), (4, 5, 8), (8, 6, 48), (3, 1, 4)]:
         V, B = 30, 3
         builder = TreeBuilder(torch.zeros(B, dtype=torch.long), topk=k)
-        builder.first(torch.randn(B, V, generator=g).log_softmax(-1))
+        builder.first(*top_log_probs(torch.randn(B, V, generator=g), k))
         for _ in range(steps - 1):
-            builder.extend(torch.randn(B, k, V, generator=g).log_softmax(-1))
+            builder.extend(*top_log_probs(torch.randn(B, k, V, generator=g), k))
         tree = builder.finalize(n)
         scores = torch.cat(builder.scores, 1)
         assert tree.tokens.shape == (B, min(n, scores.shape[1]))
