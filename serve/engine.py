@@ -139,6 +139,7 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
         draft_top_k = top_log_probs  # the draft's best children per node
+        self.verify_greedy = verify_greedy  # in the target pass's graph
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from . import kernels
 
@@ -146,7 +147,7 @@ class Engine:
             for model in (target, head):  # fused elementwise kernels (the layers' torch ones are the reference)
                 if model is not None:
                     kernels.install(model)
-            draft_top_k = kernels.top_log_probs
+            draft_top_k, self.verify_greedy = kernels.top_log_probs, kernels.verify_greedy
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -404,8 +405,8 @@ class Engine:
         aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
         if greedy_depth is None:
             return out.hidden, aux, logits
-        return (out.hidden, aux) + verify_greedy(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
-                                                 greedy_depth)
+        return (out.hidden, aux) + self.verify_greedy(tokens, parents, logits,
+                                                      torch.ones_like(tokens, dtype=torch.bool), greedy_depth)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, tree: DraftTree, n: Tensor, table: Tensor,

@@ -241,4 +241,45 @@ def _merge_top_kernel(best_ptr, where_ptr, max_ptr, sum_ptr, values_ptr, indices
         cand = tl.where(i == at, float("-inf"), cand)
 
 
+def verify_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, node_valid: Tensor, max_depth: int | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """`eyas.serve.verify.verify_greedy` with the walk down the tree in one launch (torch takes about ten kernels a
+    tree level): the target's argmax [B, N] stays torch's, then one program per row walks its tree."""
+    B, N = tokens.shape
+    steps = N - 1 if max_depth is None else min(max_depth, N - 1)
+    target = logits.argmax(-1)  # [B, N]
+    accepted = torch.empty(B, N, dtype=torch.long, device=tokens.device)
+    num_accepted, bonus = (torch.empty(B, dtype=torch.long, device=tokens.device) for _ in range(2))
+    tokens, parents, node_valid = (x.contiguous() for x in (tokens, parents, node_valid))
+    _greedy_walk_kernel[(B,)](tokens, parents, node_valid, target, accepted, num_accepted, bonus, N, STEPS=steps,
+                              BLOCK=triton.next_power_of_2(N))
+    return accepted, num_accepted, bonus
+
+
+@jit
+def _greedy_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted_ptr, num_ptr, bonus_ptr, N,
+                        STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)  # node indices
+    ok = j < N
+    node = row * N + j
+    parents = tl.load(parents_ptr + node, mask=ok, other=-1)
+    after_parent = tl.load(target_ptr + row * N + tl.maximum(parents, 0), mask=ok, other=-1)
+    valid = tl.load(valid_ptr + node, mask=ok, other=0) != 0
+    # matches[j]: node j is exactly what the target emits after j's parent.
+    matches = valid & (parents >= 0) & (tl.load(tokens_ptr + node, mask=ok, other=-1) == after_parent)
+    accepted = tl.where(j == 0, 0, -1)
+    cur = 0  # the last accepted node
+    num = 0
+    for depth in tl.static_range(1, STEPS + 1):
+        child = tl.min(tl.where(matches & (parents == cur), j, BLOCK), 0)  # the first matching child (best ranked)
+        found = child < BLOCK
+        accepted = tl.where((j == depth) & found, child, accepted)
+        cur = tl.where(found, child, cur)
+        num += found.to(tl.int32)
+    tl.store(accepted_ptr + node, accepted, mask=ok)
+    tl.store(num_ptr + row, num)
+    tl.store(bonus_ptr + row, tl.load(target_ptr + row * N + cur))
+
+
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)

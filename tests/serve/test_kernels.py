@@ -21,6 +21,7 @@ from eyas.common.attention import CausalAttention
 from eyas.common.config import RopeConfig
 from eyas.common.layers import Kernels, RMSNorm, Rotary, apply_rotary
 from eyas.common.target import TargetModel
+from eyas.serve.verify import verify_greedy
 from tests import triton_interpreter
 from tests.conftest import FAMILIES
 
@@ -97,6 +98,18 @@ def check_top_log_probs(device, dtype, shape, k, ties=False, impl=kernels.top_lo
     assert values.dtype == torch.float32 and indices.dtype == torch.int64 and values.shape == order.shape
     assert torch.equal(indices, order)
     torch.testing.assert_close(values, logp.gather(-1, order), atol=1e-5, rtol=1e-5)
+
+
+def check_verify_greedy(device, B, N, max_depth=None, impl=kernels.verify_greedy):
+    """Random trees (duplicate siblings, padded tails, deep matches): the same walk as the torch verifier's."""
+    from tests.serve.test_verify import random_trees
+
+    tokens, parents, logits, valid = (x.to(device) for x in random_trees(B, N, vocab=8, seed=N))
+    ours = impl(tokens, parents, logits, valid, max_depth)
+    reference = verify_greedy(tokens, parents, logits, valid, max_depth)
+    assert N < 3 or reference[1].float().mean() > 1  # the trees are accepted deeply
+    for a, b in zip(ours, reference, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def check_model(path, device, dtype, rel_tol, T):
@@ -182,6 +195,12 @@ def test_top_log_probs_cuda(dtype, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [(64, 12, None), (1, 48, 6), (8, 8, 7), (64, 60, 6), (4, 1, 0)], ids=str)
+def test_verify_greedy_cuda(case):
+    check_verify_greedy("cuda", *case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_model_cuda(family, hf_checkpoint):
     check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 1e-2, 300)
@@ -252,6 +271,11 @@ def test_top_log_probs_interpreter(interpreter, case):
     interpreter(check_top_log_probs, "cpu", torch.float32, *case)
 
 
+@pytest.mark.parametrize("case", [(16, 12, None), (3, 9, 3), (2, 1, 0)], ids=str)
+def test_verify_greedy_interpreter(interpreter, case):
+    interpreter(check_verify_greedy, "cpu", *case)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_model_interpreter(interpreter, family, hf_checkpoint):
     interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, 9)
@@ -269,6 +293,10 @@ def _silu_of_up(gate, up):
     return kernels.silu_mul(up, gate)
 
 
+def _walk_into_padding(tokens, parents, logits, node_valid, max_depth):
+    return kernels.verify_greedy(tokens, parents, logits, torch.ones_like(node_valid), max_depth)
+
+
 def _top_of_unnormalised(logits, k):
     values, indices = logits.float().topk(k, dim=-1)
     return values, indices
@@ -279,7 +307,8 @@ def _top_of_unnormalised(logits, k):
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
     (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
-], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up", "top-of-unnormalised"])
+    (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
+], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up", "top-of-unnormalised", "walk-into-padding"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):
