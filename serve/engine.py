@@ -19,9 +19,9 @@ whenever the batch size calls for speculation again.
 
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
 drafting, the target pass (with greedy verification), and the draft's extension along the accepted path with
-its inputs. Batches are padded to a bucket, block tables to full width. On
-CUDA the models' elementwise work runs as fused Triton kernels (`kernels.py`). On every device the engine joins
-each layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
+its inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work, the
+draft's top-k and the greedy walk run as fused Triton kernels (`kernels.py`). On every device the engine joins each
+layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -426,7 +426,7 @@ class Engine:
                 path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in (path, m, last))
             inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
             hidden, logits, *moves = self.graphs(f"accept, path {T}, move {move}",
-                                               functools.partial(self._follow_path, T, move), *inputs)
+                                                 functools.partial(self._follow_path, T, move), *inputs)
             if moves:  # eager, after the graph: a move is not idempotent, and a graph's first call runs thrice
                 self.pool.move(*moves)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
