@@ -118,10 +118,12 @@ class EagleHead(nn.Module):
         """First-step features: the target's final normed hidden state [B, T, H]."""
         return target.hidden
 
-    def step(self, embeds: Tensor, features: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
-        """embeds, features [B, T, H]; positions [B, T] -> output [B, T, H], the next step's features."""
+    def step(self, embeds: Tensor, features: Tensor, positions: Tensor | tuple[Tensor, Tensor],
+             attn: AttentionMetadata) -> Tensor:
+        """embeds, features [B, T, H]; positions [B, T] (or their `rotary` tables) -> output [B, T, H], the next
+        step's features."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return x

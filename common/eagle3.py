@@ -184,9 +184,11 @@ class Eagle3Head(nn.Module):
         """The target's captured streams aux [B, T, 3·Ht] -> first-step hidden input [B, T, H]."""
         return self.fc(target.aux)
 
-    def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
-        """embeds, hidden [B, T, H]; positions [B, T] -> the layer output [B, T, H] (pre-norm)."""
-        cos, sin = self.rotary(positions, hidden.dtype)
+    def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor | tuple[Tensor, Tensor], attn: AttentionMetadata
+             ) -> Tensor:
+        """embeds, hidden [B, T, H]; positions [B, T] (or their `rotary` tables) -> the layer output [B, T, H]
+        (pre-norm)."""
+        cos, sin = self.rotary.tables(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, attn)
 
     def logits(self, out: Tensor) -> Tensor:

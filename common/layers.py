@@ -98,6 +98,11 @@ class Rotary(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    def tables(self, positions: Tensor | tuple[Tensor, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`forward`, or `positions` itself when it already is the pair (cos, sin) [B, T, D]: a caller running several
+        passes (the drafter, once per tree) computes all of theirs in one call."""
+        return positions if isinstance(positions, tuple) else self(positions, dtype)
+
 
 class Attention(nn.Module):
     """Grouped-query attention. `in_features` differs from the model width in the EAGLE-3 head (2H)."""

@@ -118,18 +118,19 @@ class Drafter:
         tokens = builder.first(*self.top_log_probs(logits, k))  # [B, k] draft indices
         hidden = hidden[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
         # Drafted node j (in drafting order) keeps its KV at position n + j; pass d drafts nodes k(d-1) .. kd-1, at
-        # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], positions [B, num_steps].
+        # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], rotary tables [B, num_steps, D].
         prefix = lengths.to(torch.int32)
         nodes = torch.arange(shape.scratch, device=roots.device)
         slots = slots_of(table, lengths[:, None] + nodes, self.pool.block_size)
-        draft_positions = lengths[:, None] - 1 + torch.arange(shape.num_steps, device=roots.device)
+        cos, sin = self.head.rotary(lengths[:, None] - 1 + torch.arange(shape.num_steps, device=roots.device),
+                                    hidden.dtype)
         for depth in range(1, shape.num_steps):
             # The window is the nodes drafted so far; the frontier (the last k) sees its drafted ancestors.
             attn = self.attention(self.pool, table, prefix, builder.frontier_mask(),
                                   new_slots=slots[:, k * (depth - 1) : k * depth])
-            positions = draft_positions[:, depth, None].expand(B, k)
+            rope = tuple(x[:, depth, None].expand(B, k, -1) for x in (cos, sin))  # the frontier's position
             embeds = self.target.embed_tokens(self.hot.to_target(tokens))
-            out = self.head.step(embeds, hidden, positions, attn)  # [B, k, H]
+            out = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
             tokens = builder.extend(*self.top_log_probs(self.head.logits(out), k))
             rows = builder.frontier_parent_rows[:, :, None].expand(-1, -1, out.shape[-1])
             hidden = out.gather(1, rows)

@@ -70,30 +70,34 @@ class TreeBuilder:
         self.parents = [torch.full((B, 1), -1, dtype=torch.long, device=device)]
         self.depths = [torch.zeros(B, 1, dtype=torch.long, device=device)]
         self.frontier: Tensor | None = None  # [B, k] candidate indices of the nodes the next pass drafts on
+        self.frontier_scores: Tensor | None = None  # [B, k] their scores
         self.frontier_parent_rows: Tensor | None = None
         self._frontier_ancestors: Tensor | None = None  # [B, k, P] see frontier_mask
+        self._eye = torch.eye(topk, dtype=torch.bool, device=device).expand(B, -1, -1)  # [B, k, k] each node itself
         self.depth = 0
 
     @property
     def _size(self) -> int:
         return sum(t.shape[1] for t in self.tokens)
 
-    def _add(self, tokens: Tensor, scores: Tensor, parents: Tensor) -> Tensor:
-        """Appends candidates [B, m]; returns their candidate indices [B, m]."""
+    def _add(self, tokens: Tensor, scores: Tensor, parents: Tensor) -> int:
+        """Appends candidates [B, m]; returns the candidate index of the first (the others follow)."""
         B, m = tokens.shape
         start = self._size
         self.tokens.append(tokens)
         self.scores.append(scores)
         self.parents.append(parents)
         self.depths.append(torch.full((B, m), self.depth, dtype=torch.long, device=tokens.device))
-        return torch.arange(start, start + m, device=tokens.device).expand(B, m)
+        return start
 
     def first(self, scores: Tensor, tokens: Tensor) -> Tensor:
         """The root's top-k children, their log-probs and tokens [B, k] -> the depth-1 frontier tokens [B, k]."""
         self.depth = 1
-        self.frontier = self._add(tokens, scores, torch.zeros_like(tokens))
+        start = self._add(tokens, scores, torch.zeros_like(tokens))
+        self.frontier = torch.arange(start, start + self.k, device=tokens.device).expand_as(tokens)
+        self.frontier_scores = scores
         self.frontier_parent_rows = None
-        self._frontier_ancestors = torch.eye(self.k, dtype=torch.bool, device=scores.device).expand(len(scores), -1, -1)
+        self._frontier_ancestors = self._eye
         return tokens
 
     def frontier_mask(self) -> Tensor:
@@ -103,22 +107,19 @@ class TreeBuilder:
 
     def extend(self, child_scores: Tensor, child_tokens: Tensor) -> Tensor:
         """Each frontier node's top-k children, log-probs and tokens [B, k, k] -> the next frontier tokens [B, k]."""
-        B, k, _ = child_scores.shape
         self.depth += 1
-        parent_ids = self.frontier  # [B, k]
-        parent_scores = torch.cat(self.scores, dim=1).gather(1, parent_ids)  # [B, k]
-        scores = (parent_scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
-        parents = parent_ids[:, :, None].expand(-1, -1, self.k).flatten(1)
-        ids = self._add(child_tokens.flatten(1), scores, parents)  # [B, k·k]
+        scores = (self.frontier_scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
+        parents = self.frontier[:, :, None].expand(-1, -1, self.k).flatten(1)
+        start = self._add(child_tokens.flatten(1), scores, parents)
         best = scores.topk(self.k, dim=-1).indices.sort(dim=-1).values  # [B, k], in creation order
-        self.frontier = ids.gather(1, best)
+        self.frontier = start + best
+        self.frontier_scores = scores.gather(1, best)
         rows = best // self.k  # [B, k]: the row of the previous frontier each new frontier node extends
         self.frontier_parent_rows = rows
         # A new frontier node's drafted ancestors: its parent's (parent included), then itself.
         prev = self._frontier_ancestors  # [B, k, P]
         inherited = prev.gather(1, rows[:, :, None].expand(-1, -1, prev.shape[2]))
-        own = torch.eye(k, dtype=torch.bool, device=child_scores.device).expand(B, -1, -1)
-        self._frontier_ancestors = torch.cat([inherited, own], dim=2)  # [B, k, P + k]
+        self._frontier_ancestors = torch.cat([inherited, self._eye], dim=2)  # [B, k, P + k]
         return child_tokens.flatten(1).gather(1, best)
 
     def finalize(self, num_draft_tokens: int) -> DraftTree:

@@ -1,6 +1,8 @@
 """The engine: speculative greedy output equals target-only greedy output token for token; blocks are
 returned; preemption and aborts never lose or corrupt a request."""
 
+import copy
+
 import pytest
 import torch
 
@@ -53,12 +55,13 @@ def reference_tree(engine: Engine, request, shape: TreeShape, top_k):
     pass runs the head over the whole prompt plus the nodes drafted so far, under an explicit mask (the head's
     one layer gives each position's k/v from its own inputs alone, so only the frontier's rows matter).
     `top_k(logits, k)` picks each pass's children."""
-    head, target, hot, k = engine.drafter.head, engine.target, engine.drafter.hot, shape.topk
-    ids = torch.tensor([request.tokens])  # the prompt and the root (the first generated token)
+    head, target, hot, k, device = engine.drafter.head, engine.target, engine.drafter.hot, shape.topk, engine.device
+    ids = torch.tensor([request.tokens], device=device)  # the prompt and the root (the first generated token)
     P = len(request.prompt)
-    out = target(ids[:, :P], torch.arange(P)[None], CausalAttention(), aux_layers=engine.aux_layers)
-    embeds, hidden, positions = target.embed_tokens(ids[:, 1:]), head.project_target(out), torch.arange(P)
-    mask = causal_mask(P)
+    positions = torch.arange(P, device=device)
+    out = target(ids[:, :P], positions[None], CausalAttention(), aux_layers=engine.aux_layers)
+    embeds, hidden = target.embed_tokens(ids[:, 1:]), head.project_target(out)
+    mask = causal_mask(P, device)
     builder = TreeBuilder(ids[:, P], k)
     o = head.step(embeds, hidden, positions[None], MaskedAttention(mask[None]))
     tokens = builder.first(*top_k(head.logits(o[:, -1]), k))
@@ -66,10 +69,10 @@ def reference_tree(engine: Engine, request, shape: TreeShape, top_k):
     for depth in range(1, shape.num_steps):
         embeds = torch.cat([embeds, target.embed_tokens(hot.to_target(tokens))], dim=1)
         hidden = torch.cat([hidden, parents_out], dim=1)
-        positions = torch.cat([positions, torch.full((k,), P - 1 + depth)])
+        positions = torch.cat([positions, torch.full((k,), P - 1 + depth, device=device)])
         S = len(positions)  # earlier nodes' rows see the prompt and themselves; their outputs are not read
-        rows = torch.cat([mask, torch.ones(S - len(mask), len(mask), dtype=torch.bool)])
-        mask = torch.cat([rows, torch.eye(S, dtype=torch.bool)[:, len(mask):]], dim=1)
+        rows = torch.cat([mask, torch.ones(S - len(mask), len(mask), dtype=torch.bool, device=device)])
+        mask = torch.cat([rows, torch.eye(S, dtype=torch.bool, device=device)[:, len(mask):]], dim=1)
         mask[-k:, P:] = builder.frontier_mask()[0]
         o = head.step(embeds, hidden, positions[None], MaskedAttention(mask[None]))[:, -k:]
         tokens = builder.extend(*top_k(head.logits(o), k))
@@ -86,23 +89,36 @@ def recording(seen: list):
     return top_k
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
 @torch.no_grad()
-def test_drafted_tree_equals_uncached_drafting(target, shape):
+def check_drafted_tree(target, shape: TreeShape, tol: float):
     """The draft's paged KV (the prompt's, extended at prefill, and each pass's frontier at its scratch slots) gives
-    every pass the logits, and so the tree, that a cache-free recomputation gives."""
-    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES[shape], block_size=4, num_blocks=64))
+    every pass the logits, and so the tree, that a cache-free recomputation gives. Eager (no CUDA graphs: the
+    recording runs each call); on CUDA with the Triton kernels."""
+    device = target.embed_tokens.weight.device
+    engine = Engine(target, random_head(target).to(device), EngineConfig(tree=shape, block_size=4, num_blocks=64,
+                                                                          cuda_graphs=False))
     request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=8)
     engine.step()  # the prefill: the first token, the draft extended over the prompt
     served, recomputed = [], []
     engine.drafter.top_log_probs = recording(served)
-    tree = engine.drafter.draft_tree(SHAPES[shape], torch.tensor([request.last_token]), [request.draft],
-                                     torch.tensor([request.cached]), engine._block_table([request]))
-    tokens, parents = reference_tree(engine, request, SHAPES[shape], recording(recomputed))
-    assert len(served) == len(recomputed) == SHAPES[shape].num_steps
+    tree = engine.drafter.draft_tree(shape, torch.tensor([request.last_token], device=device), [request.draft],
+                                     torch.tensor([request.cached], device=device), engine._block_table([request]))
+    tokens, parents = reference_tree(engine, request, shape, recording(recomputed))
+    assert len(served) == len(recomputed) == shape.num_steps
     for ours, theirs in zip(served, recomputed, strict=True):
-        torch.testing.assert_close(ours, theirs.view(ours.shape), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours, theirs.view(ours.shape), atol=tol, rtol=tol)
     assert torch.equal(tree.tokens, tokens) and torch.equal(tree.parents, parents)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_drafted_tree_equals_uncached_drafting(target, shape):
+    check_drafted_tree(target, SHAPES[shape], 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_drafted_tree_equals_uncached_drafting_cuda(target, shape):
+    check_drafted_tree(copy.deepcopy(target).to("cuda"), SHAPES[shape], 1e-4)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
