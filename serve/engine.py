@@ -190,15 +190,18 @@ class Engine:
 
     @contextmanager
     def _phase(self, name: str):
+        """While profiling: the phase's time, between syncs, so its device work runs inside its span; the span is
+        a `torch.profiler` range `eyas.NAME` too (`eyas.serve.profile` counts the kernels in it)."""
         if not self.profile:
             yield
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with torch.profiler.record_function(f"eyas.{name}"):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         self.timings[name] += time.perf_counter() - start
 
     # ---- requests -------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Kernels per decode-step phase: where a batch-1 step's launches go, setting by setting.
+
+    python -m eyas.serve.profile --arch smollm2-135m --trees off 6,8,48
+
+A small model's step is bound by how many kernels it launches, not by bytes, and only the launches of the draft,
+the accept phase and verification's extra over a plain pass set the speedup of speculation. For each setting this
+runs an engine on random weights of --arch (a step's kernels do not depend on the weights) at batch 1, a prompt of
+--input-len random tokens, and profiles --new-tokens of decoding with `torch.profiler` (two generations first, so
+CUDA graphs are captured and kernels compiled). The engine times its phases between syncs, so each phase's device
+work lies inside its span (`Engine._phase`). Per phase it prints the kernels a step and the costliest kernels:
+counts are exact; times carry the profiler's overhead (bench-eagle measures step times). Off CUDA it counts the
+torch operators each phase calls instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from eyas.common.architectures import ARCHITECTURES, random_target
+from eyas.common.target import default_dtype
+
+from .autotune import format_setting
+from .bench import random_head
+from .commands import tree_setting
+from .draft import TreeShape
+from .engine import Engine, EngineConfig
+from .sampling import SamplingParams
+
+PHASES = ("draft", "verify", "accept")
+
+
+@dataclass
+class PhaseProfile:
+    """One phase: launches per decode step, and (name, launches per step, µs per step) of each kernel kind."""
+
+    launches: float
+    kernels: list[tuple[str, float, float]]
+
+
+def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], new_tokens: int
+                    ) -> dict[str, PhaseProfile]:
+    """Decodes `new_tokens` after `prompt` at batch 1 under the profiler -> one PhaseProfile per phase."""
+    config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=1,
+                          num_blocks=-(-(len(prompt) + new_tokens + 256) // 16), profile=True)
+    engine = Engine(target, head if shape else None, config)
+    greedy = SamplingParams(temperature=0)
+    for _ in range(2):  # captures the graphs, compiles the kernels
+        engine.generate([prompt], greedy, 16)
+    engine.decode_steps = 0
+    cuda = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        engine.generate([prompt], greedy, new_tokens)
+    steps = max(engine.decode_steps, 1)
+    events = prof.events()
+    spans = collections.defaultdict(list)
+    for e in events:
+        if e.name.startswith("eyas."):
+            spans[e.name[5:]].append(e)
+    result = {}
+    for phase in PHASES:
+        if cuda:  # kernels run inside their phase's span: it ends with a sync
+            ranges = [(s.time_range.start, s.time_range.end) for s in spans[phase]]
+            launched = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("eyas.")
+                        and any(a <= e.time_range.start <= b for a, b in ranges)]
+        else:  # the operators the phase calls directly
+            launched = [child for span in spans[phase] for child in span.cpu_children]
+        count, micros = collections.Counter(), collections.Counter()
+        for e in launched:
+            count[e.name] += 1
+            micros[e.name] += e.time_range.end - e.time_range.start
+        kinds = [(name, count[name] / steps, us / steps) for name, us in micros.most_common()]
+        result[phase] = PhaseProfile(len(launched) / steps, kinds)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eyas.serve.profile", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--arch", default="smollm2-135m", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--trees", type=tree_setting, nargs="+", default=[None, TreeShape(6, 8, 48)],
+                        help="settings: off or num_steps,topk,num_draft_tokens (default: off 6,8,48)")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per phase")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    target = random_target(args.arch, default_dtype(args.device), args.device)
+    head = random_head(target)
+    prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
+    unit = "kernels" if args.device.startswith("cuda") else "operators"
+    for shape in args.trees:
+        phases = profile_setting(target, head, shape, prompt.tolist(), args.new_tokens)
+        print(f"== {args.arch} {format_setting(shape)}: {unit} a decode step "
+              + ", ".join(f"{phase} {p.launches:.1f}" for phase, p in phases.items()))
+        for phase, p in phases.items():
+            for name, per_step, us in p.kernels[: args.top]:
+                print(f"  {phase:>6} {per_step:6.1f}x {us:8.1f} us  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
