@@ -83,18 +83,25 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     return (prompts * n)[:n]
 
 
-def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Result:
-    """Generates for every prompt, `batch_size` at a time: tokens/s (prefill included) and τ from that run,
-    unsynchronised; the step split from the first batch run again with each phase timed.
-    `options`: further EngineConfig fields."""
+def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Engine:
+    """An engine for one setting (speculation off when `shape` is None) with KV room for `batch_size` of `prompts`
+    and `max_new_tokens` each, its CUDA graphs captured for every batch bucket up to `batch_size`."""
     block_size = 16
     longest = max(len(p) for p in prompts) + max_new_tokens + 128  # + the largest tree's scratch
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
                           block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
     engine = Engine(target, head if shape else None, config)
+    for bucket in [b for b in BATCH_BUCKETS if b < batch_size] + [batch_size]:
+        engine.generate(prompts[:bucket], SamplingParams(temperature=0), 4)
+    return engine
+
+
+def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Result:
+    """Generates for every prompt, `batch_size` at a time: tokens/s (prefill included) and τ from that run,
+    unsynchronised; the step split from the first batch run again with each phase timed.
+    `options`: further EngineConfig fields."""
+    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, **options)
     greedy = SamplingParams(temperature=0)
-    for bucket in [b for b in BATCH_BUCKETS if b < batch_size] + [batch_size]:  # capture every graph before timing
-        engine.generate(prompts[:bucket], greedy, 4)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)

@@ -18,7 +18,9 @@ same micro-batches are collated from the dumped rows, which carry the target's s
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +44,12 @@ SOURCE = "source"  # load_rows' column: the row's source, an index into `data.so
 class TrainData:
     train: Batches
     eval: Batches | None  # None: no rows held out
-    hot: HotVocab
+    count_hot: Callable[[], HotVocab]  # counts the draft vocabulary (`hot`)
+
+    @functools.cached_property
+    def hot(self) -> HotVocab:
+        """Counted when first read: a run that keeps an earlier head's vocabulary (model.init_from) never counts it."""
+        return self.count_hot()
 
 
 def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
@@ -119,7 +126,7 @@ def load_data(
         size = cfg.synthetic.batch_size
         groups = [list(range(i, i + size)) for i in range(0, len(rows), size)]  # synthetic_rows' batches
         return TrainData(Batches(batch_rows, groups, cfg.pad_multiple), None,
-                         draft_vocab(token_counts(rows, vocab_size), draft_vocab_size))
+                         lambda: draft_vocab(token_counts(rows, vocab_size), draft_vocab_size))
 
     rng = random.Random(seed)
     order = rng.sample(range(len(rows)), len(rows))
@@ -138,5 +145,6 @@ def load_data(
         groups = length_groups([lengths[i] for i in part], cfg.batch_size, cfg.bucket, rng)
         return Batches(batch_rows, [[part[i] for i in group] for group in groups], cfg.pad_multiple)
 
-    hot = draft_vocab(repeated_token_counts(rows, distinct_train, times, vocab_size), draft_vocab_size)
-    return TrainData(batches(train_rows), batches(eval_rows) if n_eval else None, hot)
+    counts = functools.partial(repeated_token_counts, rows, distinct_train, times, vocab_size)
+    return TrainData(batches(train_rows), batches(eval_rows) if n_eval else None,
+                     lambda: draft_vocab(counts(), draft_vocab_size))

@@ -115,15 +115,15 @@ def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
     return Eagle3Config.for_target(target, min(cfg.draft_vocab_size, target.vocab_size), aux_layers=aux)
 
 
-def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab, cfg: ModelConfig) -> Eagle3Head:
-    """A head of `config` (`head_config`).
+def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab | None, cfg: ModelConfig) -> Eagle3Head:
+    """A head of `config` (`head_config`) whose draft vocabulary is `hot` (None with `cfg.init_from`).
 
     With `cfg.init_from`, the head of an earlier run (its `final/`) is trained further: its weights and its draft
-    vocabulary (`hot`, counted on this run's data, is unused: the lm_head rows keep their tokens). Refused unless
-    shaped as `config`. Else, with `cfg.init_from_target`, the parts whose meaning the target fixes start from it:
-    lm_head row i = the target's lm_head row of token hot_ids[i], and the final norm = the target's final norm (the
-    head's output plays the role of the target's last residual stream). The rest (fc, the layer) is PyTorch's
-    default init: there is no target counterpart of their 2H/3H-wide inputs."""
+    vocabulary (the lm_head rows keep their tokens). Refused unless shaped as `config`. Else, with
+    `cfg.init_from_target`, the parts whose meaning the target fixes start from it: lm_head row i = the target's
+    lm_head row of token hot_ids[i], and the final norm = the target's final norm (the head's output plays the role
+    of the target's last residual stream). The rest (fc, the layer) is PyTorch's default init: there is no target
+    counterpart of their 2H/3H-wide inputs."""
     if cfg.init_from is not None:
         head = load_draft_head(cfg.init_from, dtype=torch.float32)
         if not isinstance(head, Eagle3Head):
@@ -246,9 +246,10 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     batches, eval_batches = data.train, data.eval
     ckpt_root = output / "checkpoints"
     found = checkpoint.checkpoints(ckpt_root) if recipe.checkpoint.resume else []
-    # A checkpoint holds the whole head, vocabulary included: resuming does not read model.init_from again.
-    head = build_head(config, target, data.hot, dataclasses.replace(recipe.model, init_from=None) if found
-                      else recipe.model)
+    # A checkpoint holds the whole head, vocabulary included: resuming does not read model.init_from again. A head
+    # trained further keeps its own vocabulary, so this run's is not counted.
+    model = dataclasses.replace(recipe.model, init_from=None) if found else recipe.model
+    head = build_head(config, target, None if model.init_from else data.hot, model)
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
     engine, _, _, _ = deepspeed.initialize(
