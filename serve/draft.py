@@ -13,7 +13,6 @@ Shapes: B requests, k = topk, H = draft hidden, Vd = draft vocabulary.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ from eyas.common.target import TargetModel, TargetOutput
 from .attention.paged import PagedAttention, slots_of
 from .cuda_graphs import GraphCache
 from .kv_cache import KVPool
-from .tree import DraftTree, TreeBuilder
+from .tree import DraftKernels, DraftTree, TreeBuilder
 
 
 @dataclass(frozen=True)
@@ -69,10 +68,10 @@ class Drafter:
     captures `extend` in its accept phase's graph; their inputs are then padded to fixed shapes by the engine."""
 
     def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, attention: type[PagedAttention],
-                 graphs: GraphCache, top_log_probs: Callable[[Tensor, int], tuple[Tensor, Tensor]]):
+                 graphs: GraphCache, kernels: DraftKernels):
         self.head, self.target, self.pool, self.attention = head, target, pool, attention
         self.graphs = graphs
-        self.top_log_probs = top_log_probs  # `tree.top_log_probs` or its fused kernel
+        self.kernels = kernels  # the torch references of `tree`, or the fused kernels
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
 
     def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor
@@ -114,8 +113,9 @@ class Drafter:
                     table: Tensor):
         k = shape.topk
         B = len(roots)
-        builder = TreeBuilder(roots, k)
-        tokens = builder.first(*self.top_log_probs(logits, k))  # [B, k] draft indices
+        top_log_probs = self.kernels.top_log_probs
+        builder = TreeBuilder(roots, k, self.kernels)
+        tokens = builder.first(*top_log_probs(logits, k))  # [B, k] draft indices
         hidden = hidden[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
         # Drafted node j (in drafting order) keeps its KV at position n + j; pass d drafts nodes k(d-1) .. kd-1, at
         # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], rotary tables [B, num_steps, D].
@@ -126,13 +126,13 @@ class Drafter:
                                     hidden.dtype)
         for depth in range(1, shape.num_steps):
             # The window is the nodes drafted so far; the frontier (the last k) sees its drafted ancestors.
-            attn = self.attention(self.pool, table, prefix, builder.frontier_mask(),
+            attn = self.attention(self.pool, table, prefix, builder.frontier.ancestors,
                                   new_slots=slots[:, k * (depth - 1) : k * depth])
             rope = tuple(x[:, depth, None].expand(B, k, -1) for x in (cos, sin))  # the frontier's position
             embeds = self.target.embed_tokens(self.hot.to_target(tokens))
             out = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
-            tokens = builder.extend(*self.top_log_probs(self.head.logits(out), k))
-            rows = builder.frontier_parent_rows[:, :, None].expand(-1, -1, out.shape[-1])
+            tokens = builder.extend(*top_log_probs(self.head.logits(out), k))
+            rows = builder.frontier.rows[:, :, None].expand(-1, -1, out.shape[-1])
             hidden = out.gather(1, rows)
         tree = builder.finalize(shape.num_draft_tokens)
         tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)

@@ -54,7 +54,7 @@ from .cuda_graphs import GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, make_generator
-from .tree import DraftTree, root_only, top_log_probs
+from .tree import DraftKernels, DraftTree, root_only
 from .verify import verify_greedy, verify_sampling
 
 
@@ -138,7 +138,7 @@ class Engine:
         self.target = target
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
-        draft_top_k = top_log_probs  # the draft's best children per node
+        draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
         self.verify_greedy = verify_greedy  # in the target pass's graph
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from . import kernels
@@ -147,7 +147,7 @@ class Engine:
             for model in (target, head):  # fused elementwise kernels (the layers' torch ones are the reference)
                 if model is not None:
                     kernels.install(model)
-            draft_top_k, self.verify_greedy = kernels.top_log_probs, kernels.verify_greedy
+            draft_kernels, self.verify_greedy = kernels.DRAFT, kernels.verify_greedy
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -173,7 +173,7 @@ class Engine:
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
             draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
-            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_top_k)
+            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_kernels)
             self.aux_layers = head.target_layers(tcfg)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)

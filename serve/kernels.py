@@ -285,4 +285,133 @@ def _greedy_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted
     tl.store(bonus_ptr + row, tl.load(target_ptr + row * N + cur))
 
 
+FRONTIER_MAX_K = 16  # larger k: the torch reference (the kernel ranks k·k children against each other)
+TREE_MAX_CANDIDATES, TREE_MAX_NODES = 2048, 256  # larger: the torch reference (tiles held in registers)
+
+
+def grow_frontier(frontier: tree.Frontier, child_scores: Tensor, child_tokens: Tensor, start: int
+                  ) -> tuple[Tensor, Tensor, tree.Frontier]:
+    """`eyas.serve.tree.grow_frontier` in one launch (torch takes about a dozen kernels), one program per row:
+    the k·k children's scores and parents, the k best by rank (ties to the first created), and the next
+    frontier with its ancestors."""
+    B, k = frontier.nodes.shape
+    if k > FRONTIER_MAX_K:
+        return tree.grow_frontier(frontier, child_scores, child_tokens, start)
+    device, P = child_scores.device, frontier.ancestors.shape[2]
+    child_scores, child_tokens = child_scores.contiguous(), child_tokens.contiguous()
+    frontier_scores = frontier.scores.contiguous()
+    scores = torch.empty(B, k * k, dtype=torch.float32, device=device)
+    parents = torch.empty(B, k * k, dtype=torch.int64, device=device)
+    nodes, tokens, rows = (torch.empty(B, k, dtype=torch.int64, device=device) for _ in range(3))
+    best_scores = torch.empty(B, k, dtype=torch.float32, device=device)
+    ancestors = torch.empty(B, k, P + k, dtype=torch.bool, device=device)
+    _grow_frontier_kernel[(B,)](
+        frontier.nodes, frontier_scores, frontier.ancestors, child_scores, child_tokens, scores, parents, nodes,
+        best_scores, tokens, rows, ancestors, start, P, *frontier.nodes.stride(), *frontier.ancestors.stride(),
+        K=k, K_POW2=triton.next_power_of_2(k), KK_POW2=triton.next_power_of_2(k * k),
+        P_POW2=triton.next_power_of_2(max(P, 1)),
+    )
+    return scores, parents, tree.Frontier(nodes, best_scores, tokens, rows, ancestors)
+
+
+@jit
+def _grow_frontier_kernel(frontier_ptr, frontier_scores_ptr, ancestors_ptr, child_scores_ptr, child_tokens_ptr,
+                          scores_ptr, parents_ptr, nodes_ptr, best_scores_ptr, tokens_ptr, rows_ptr,
+                          new_ancestors_ptr, start, P, stride_fb, stride_fi, stride_ab, stride_ai, stride_ap,
+                          K: tl.constexpr, K_POW2: tl.constexpr, KK_POW2: tl.constexpr, P_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, KK_POW2)  # child i: frontier row i // K, its (i % K)-th best child
+    ok = i < K * K
+    parent_row = i // K
+    s = tl.load(frontier_scores_ptr + row * K + parent_row, mask=ok, other=0.0) + tl.load(
+        child_scores_ptr + row * K * K + i, mask=ok, other=0.0)
+    tl.store(scores_ptr + row * K * K + i, s, mask=ok)
+    parent = tl.load(frontier_ptr + row * stride_fb + parent_row * stride_fi, mask=ok, other=0)
+    tl.store(parents_ptr + row * K * K + i, parent, mask=ok)
+    # rank[i]: children that come before i, by score and then creation; the k of rank < K are the frontier.
+    s = tl.where(ok, s, float("-inf"))  # padding lanes come last: -inf, and past every child
+    j = tl.arange(0, KK_POW2)
+    before = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (j[None, :] < i[:, None]))
+    chosen = ok & (tl.sum(before.to(tl.int32), 1) < K)
+    at = tl.cumsum(chosen.to(tl.int32), 0) - 1  # [KK_POW2] a chosen child's place in the frontier
+    out = row * K + at
+    tl.store(nodes_ptr + out, start + i, mask=chosen)
+    tl.store(best_scores_ptr + out, s, mask=chosen)
+    tl.store(tokens_ptr + out, tl.load(child_tokens_ptr + row * K * K + i, mask=ok), mask=chosen)
+    tl.store(rows_ptr + out, parent_row, mask=chosen)
+    # Its drafted ancestors: its parent's row of the old mask [P], then itself among the new frontier [K].
+    p = tl.arange(0, P_POW2)
+    inherited = tl.load(ancestors_ptr + row * stride_ab + parent_row[:, None] * stride_ai + p[None, :] * stride_ap,
+                        mask=chosen[:, None] & (p[None, :] < P), other=0)
+    new_row = new_ancestors_ptr + out[:, None] * (P + K)
+    tl.store(new_row + p[None, :], inherited, mask=chosen[:, None] & (p[None, :] < P))
+    c = tl.arange(0, K_POW2)
+    tl.store(new_row + P + c[None, :], c[None, :] == at[:, None], mask=chosen[:, None] & (c[None, :] < K))
+
+
+def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_tokens: int, max_depth: int
+                ) -> tree.DraftTree:
+    """`eyas.serve.tree.select_tree` in one launch (torch takes about forty kernels: two sorts, the re-indexing
+    and a gather round per level of the ancestor mask), one program per row: each candidate's rank by score
+    (ties to the first created), the kept ones' new indices, their parents re-indexed, and the ancestor walk."""
+    B, C = tokens.shape
+    n = min(num_draft_tokens, C)
+    if C > TREE_MAX_CANDIDATES or n > TREE_MAX_NODES:
+        return tree.select_tree(tokens, scores, parents, num_draft_tokens, max_depth)
+    device = tokens.device
+    tokens, scores, parents = (x.contiguous() for x in (tokens, scores, parents))
+    new_index = torch.empty(B, C, dtype=torch.int64, device=device)  # scratch: a kept candidate's tree index
+    out_tokens, out_parents, depth = (torch.empty(B, n, dtype=torch.int64, device=device) for _ in range(3))
+    out_scores = torch.empty(B, n, dtype=scores.dtype, device=device)
+    mask = torch.empty(B, n, n, dtype=torch.bool, device=device)
+    c_pow2 = triton.next_power_of_2(C)
+    _select_tree_kernel[(B,)](tokens, scores, parents, new_index, out_tokens, out_scores, out_parents, depth, mask,
+                              C, n, max_depth, C_POW2=c_pow2, CHUNK=max(min(c_pow2, 8192 // c_pow2), 1),
+                              N_POW2=triton.next_power_of_2(n))
+    return tree.DraftTree(tokens=out_tokens, parents=out_parents, depth=depth, mask=mask, scores=out_scores)
+
+
+@jit
+def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_tokens_ptr, out_scores_ptr,
+                        out_parents_ptr, depth_ptr, mask_ptr, C, n, max_depth, C_POW2: tl.constexpr,
+                        CHUNK: tl.constexpr, N_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, C_POW2)  # candidates
+    ok = c < C
+    s = tl.load(scores_ptr + row * C + c, mask=ok, other=float("-inf"))
+    # rank[c]: candidates before c by score, then by creation (a stable descending sort's position), chunk by chunk.
+    rank = tl.zeros([C_POW2], tl.int32)
+    for j0 in range(0, C, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        sj = tl.load(scores_ptr + row * C + j, mask=j < C, other=float("-inf"))
+        before = (sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (j[None, :] < c[:, None]))
+        rank += tl.sum((before & (j[None, :] < C)).to(tl.int32), 1)
+    keep = ok & (rank < n)
+    new = tl.cumsum(keep.to(tl.int32), 0) - 1  # the kept candidates in creation order
+    tl.store(new_index_ptr + row * C + c, new, mask=keep)
+    out = row * n + new
+    tl.store(out_tokens_ptr + out, tl.load(tokens_ptr + row * C + c, mask=keep), mask=keep)
+    tl.store(out_scores_ptr + out, s, mask=keep)
+    tl.debug_barrier()  # the new indices are read back below, by other threads
+    parent = tl.load(parents_ptr + row * C + c, mask=keep, other=-1)
+    has_parent = keep & (parent >= 0)
+    parent = tl.load(new_index_ptr + row * C + tl.maximum(parent, 0), mask=has_parent, other=-1)
+    tl.store(out_parents_ptr + out, parent, mask=keep)
+    tl.debug_barrier()
+    # The ancestor mask [n, n]: walk every kept node up its parents, at most max_depth steps.
+    r = tl.arange(0, N_POW2)
+    r_ok = r < n
+    up = r.to(tl.int64)  # each node's ancestor reached so far (-1: past the root)
+    ancestors = r[None, :] == r[:, None]
+    depth = tl.zeros([N_POW2], tl.int64)
+    for _ in range(max_depth):
+        up = tl.load(out_parents_ptr + row * n + tl.maximum(up, 0), mask=r_ok & (up >= 0), other=-1)
+        ancestors = ancestors | (r[None, :] == up[:, None])
+        depth += (up >= 0).to(tl.int64)
+    tl.store(mask_ptr + row * n * n + r[:, None] * n + r[None, :], ancestors, mask=r_ok[:, None] & r_ok[None, :])
+    tl.store(depth_ptr + row * n + r, depth, mask=r_ok)
+
+
+DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
+
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)

@@ -22,6 +22,7 @@ Shapes: B requests, k = topk, V = draft vocab; node 0 of the final tree is the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,68 @@ def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return logits.float().log_softmax(-1).topk(k, dim=-1)
 
 
+@dataclass
+class Frontier:
+    """The k nodes per request that the next draft pass runs on, in creation order."""
+
+    nodes: Tensor  # [B, k] their candidate indices
+    scores: Tensor  # [B, k] float32 their scores
+    tokens: Tensor  # [B, k] their draft-vocabulary tokens
+    rows: Tensor | None  # [B, k] the row of the previous frontier each one extends (None at depth 1)
+    ancestors: Tensor  # [B, k, P] bool over the P = k·depth nodes drafted so far, in drafting order: each node's
+    #                    drafted ancestors and itself (the draft's own KV of this tree it attends to)
+
+
+def grow_frontier(frontier: Frontier, child_scores: Tensor, child_tokens: Tensor, start: int
+                  ) -> tuple[Tensor, Tensor, Frontier]:
+    """One draft pass's bookkeeping. Each frontier node's top-k children, log-probs and tokens [B, k, k], become
+    candidates `start` .. `start + k·k - 1` (row by row) -> their scores and parents [B, k·k] (cumulative
+    log-probs; candidate indices), and the next frontier: the k best of them, ties to the first created.
+    The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.grow_frontier`."""
+    B, k = frontier.nodes.shape
+    scores = (frontier.scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
+    parents = frontier.nodes[:, :, None].expand(-1, -1, k).flatten(1)
+    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values  # creation order
+    rows = best // k
+    # A new frontier node's drafted ancestors: its parent's (parent included), then itself.
+    ancestors = frontier.ancestors
+    inherited = ancestors.gather(1, rows[:, :, None].expand(-1, -1, ancestors.shape[2]))
+    itself = torch.eye(k, dtype=torch.bool, device=best.device).expand(B, k, k)
+    tokens = child_tokens.flatten(1).gather(1, best)
+    return scores, parents, Frontier(start + best, scores.gather(1, best), tokens, rows,
+                                     torch.cat([inherited, itself], dim=2))
+
+
+def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_tokens: int, max_depth: int
+                ) -> DraftTree:
+    """The candidates [B, C] (tokens, scores, parent candidate indices; candidate 0 the root, parents created
+    first) -> the tree of the root and the best `num_draft_tokens - 1` others by score, ties to the first created,
+    in creation order. `max_depth`: no candidate is deeper (bounds the ancestor walk without a host sync).
+    The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.select_tree`."""
+    B, C = tokens.shape
+    n = min(num_draft_tokens, C)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
+    keep = order.sort(dim=-1).values  # [B, n] candidate indices; keep[:, 0] = 0 (the root)
+    new_index = torch.full((B, C), -1, dtype=torch.long, device=tokens.device)
+    new_index.scatter_(1, keep, torch.arange(n, device=tokens.device).expand(B, n))
+    kept_parents = parents.gather(1, keep)
+    # Closed under parents (see the module docstring), so every kept parent has a new index.
+    tree_parents = torch.where(kept_parents < 0, kept_parents, new_index.gather(1, kept_parents.clamp(min=0)))
+    mask = ancestor_mask(tree_parents, max_depth)
+    return DraftTree(tokens=tokens.gather(1, keep), parents=tree_parents, depth=mask.sum(-1) - 1, mask=mask,
+                     scores=scores.gather(1, keep))
+
+
+@dataclass(frozen=True)
+class DraftKernels:
+    """What drafting a tree computes besides the head: torch references here, fused kernels on CUDA
+    (`eyas.serve.kernels.DRAFT`)."""
+
+    top_log_probs: Callable[[Tensor, int], tuple[Tensor, Tensor]] = top_log_probs
+    grow_frontier: Callable[[Frontier, Tensor, Tensor, int], tuple[Tensor, Tensor, Frontier]] = grow_frontier
+    select_tree: Callable[[Tensor, Tensor, Tensor, int, int], DraftTree] = select_tree
+
+
 class TreeBuilder:
     """Grows the candidate pool pass by pass; the engine runs the draft between the calls. Each pass hands it
     its top-k children per node (`top_log_probs` of the draft's logits): log-probs and tokens.
@@ -54,97 +117,56 @@ class TreeBuilder:
         builder = TreeBuilder(root_tokens, topk)
         tokens = builder.first(*top_log_probs(logits0, topk))   # [B, k] depth-1 frontier
         for _ in range(num_steps - 1):
-            rows = builder.frontier_parent_rows            # [B, k]: which previous frontier row each one extends
-            mask = builder.frontier_mask()                 # [B, k, P]: frontier vs the P drafted nodes so far
+            rows = builder.frontier.rows                   # [B, k]: which previous frontier row each one extends
+            mask = builder.frontier.ancestors              # [B, k, P]: frontier vs the P drafted nodes so far
             logits = <draft pass on tokens, at depth builder.depth, hidden of rows, attending by mask>
             tokens = builder.extend(*top_log_probs(logits, topk))   # [B, k, k] each -> next frontier [B, k]
         tree = builder.finalize(num_draft_tokens)
     """
 
-    def __init__(self, root_tokens: Tensor, topk: int):
+    def __init__(self, root_tokens: Tensor, topk: int, kernels: DraftKernels = DraftKernels()):
         B, device = root_tokens.shape[0], root_tokens.device
-        self.k = topk
+        self.k, self.kernels = topk, kernels
         # Candidate pool, in creation order; candidate 0 is the root (never dropped, score +inf).
         self.tokens = [root_tokens[:, None]]  # list of [B, n]
         self.scores = [torch.full((B, 1), float("inf"), device=device)]
         self.parents = [torch.full((B, 1), -1, dtype=torch.long, device=device)]
-        self.depths = [torch.zeros(B, 1, dtype=torch.long, device=device)]
-        self.frontier: Tensor | None = None  # [B, k] candidate indices of the nodes the next pass drafts on
-        self.frontier_scores: Tensor | None = None  # [B, k] their scores
-        self.frontier_parent_rows: Tensor | None = None
-        self._frontier_ancestors: Tensor | None = None  # [B, k, P] see frontier_mask
-        self._eye = torch.eye(topk, dtype=torch.bool, device=device).expand(B, -1, -1)  # [B, k, k] each node itself
+        self.frontier: Frontier | None = None
         self.depth = 0
 
-    @property
-    def _size(self) -> int:
-        return sum(t.shape[1] for t in self.tokens)
-
-    def _add(self, tokens: Tensor, scores: Tensor, parents: Tensor) -> int:
-        """Appends candidates [B, m]; returns the candidate index of the first (the others follow)."""
-        B, m = tokens.shape
-        start = self._size
+    def _add(self, tokens: Tensor, scores: Tensor, parents: Tensor) -> None:
+        """Appends candidates [B, m]."""
         self.tokens.append(tokens)
         self.scores.append(scores)
         self.parents.append(parents)
-        self.depths.append(torch.full((B, m), self.depth, dtype=torch.long, device=tokens.device))
-        return start
+
+    @property
+    def size(self) -> int:
+        """Candidates so far (the next one's index)."""
+        return sum(t.shape[1] for t in self.tokens)
 
     def first(self, scores: Tensor, tokens: Tensor) -> Tensor:
         """The root's top-k children, their log-probs and tokens [B, k] -> the depth-1 frontier tokens [B, k]."""
+        B, k = tokens.shape
         self.depth = 1
-        start = self._add(tokens, scores, torch.zeros_like(tokens))
-        self.frontier = torch.arange(start, start + self.k, device=tokens.device).expand_as(tokens)
-        self.frontier_scores = scores
-        self.frontier_parent_rows = None
-        self._frontier_ancestors = self._eye
+        nodes = torch.arange(self.size, self.size + k, device=tokens.device).expand(B, k)
+        self._add(tokens, scores, torch.zeros_like(tokens))
+        itself = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(B, k, k)
+        self.frontier = Frontier(nodes, scores, tokens, None, itself)
         return tokens
-
-    def frontier_mask(self) -> Tensor:
-        """[B, k, P] bool over the P = k·(passes so far) drafted nodes, in drafting order: a frontier node
-        sees itself and its drafted ancestors (the draft's own KV of this tree)."""
-        return self._frontier_ancestors
 
     def extend(self, child_scores: Tensor, child_tokens: Tensor) -> Tensor:
         """Each frontier node's top-k children, log-probs and tokens [B, k, k] -> the next frontier tokens [B, k]."""
         self.depth += 1
-        scores = (self.frontier_scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
-        parents = self.frontier[:, :, None].expand(-1, -1, self.k).flatten(1)
-        start = self._add(child_tokens.flatten(1), scores, parents)
-        best = scores.topk(self.k, dim=-1).indices.sort(dim=-1).values  # [B, k], in creation order
-        self.frontier = start + best
-        self.frontier_scores = scores.gather(1, best)
-        rows = best // self.k  # [B, k]: the row of the previous frontier each new frontier node extends
-        self.frontier_parent_rows = rows
-        # A new frontier node's drafted ancestors: its parent's (parent included), then itself.
-        prev = self._frontier_ancestors  # [B, k, P]
-        inherited = prev.gather(1, rows[:, :, None].expand(-1, -1, prev.shape[2]))
-        self._frontier_ancestors = torch.cat([inherited, self._eye], dim=2)  # [B, k, P + k]
-        return child_tokens.flatten(1).gather(1, best)
+        scores, parents, self.frontier = self.kernels.grow_frontier(self.frontier, child_scores, child_tokens,
+                                                                    self.size)
+        self._add(child_tokens.flatten(1), scores, parents)
+        return self.frontier.tokens
 
     def finalize(self, num_draft_tokens: int) -> DraftTree:
         """Keeps the root and the best `num_draft_tokens - 1` candidates; re-indexes parents."""
-        tokens, scores = torch.cat(self.tokens, 1), torch.cat(self.scores, 1)  # [B, C]
-        parents, depths = torch.cat(self.parents, 1), torch.cat(self.depths, 1)
-        B, C = tokens.shape
-        n = min(num_draft_tokens, C)
-        # Rank by score, ties by creation index (stable sort), keep n, restore creation order.
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
-        keep = order.sort(dim=-1).values  # [B, n] candidate indices; keep[:, 0] = 0 (the root)
-        new_index = torch.full((B, C), -1, dtype=torch.long, device=tokens.device)
-        new_index.scatter_(1, keep, torch.arange(n, device=tokens.device).expand(B, n))
-        kept_parents = parents.gather(1, keep)
-        # Closed under parents (see the module docstring), so every kept parent has a new index.
-        tree_parents = torch.where(kept_parents < 0, kept_parents, new_index.gather(1, kept_parents.clamp(min=0)))
-        tree_depth = depths.gather(1, keep)
-        mask = ancestor_mask(tree_parents, self.depth)  # no node is deeper than the passes run (no host sync)
-        return DraftTree(
-            tokens=tokens.gather(1, keep),
-            parents=tree_parents,
-            depth=tree_depth,
-            mask=mask,
-            scores=scores.gather(1, keep),
-        )
+        return self.kernels.select_tree(torch.cat(self.tokens, 1), torch.cat(self.scores, 1),
+                                        torch.cat(self.parents, 1), num_draft_tokens, self.depth)
 
 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:

@@ -2,6 +2,7 @@
 returned; preemption and aborts never lose or corrupt a request."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -73,20 +74,20 @@ def reference_tree(engine: Engine, request, shape: TreeShape, top_k):
         S = len(positions)  # earlier nodes' rows see the prompt and themselves; their outputs are not read
         rows = torch.cat([mask, torch.ones(S - len(mask), len(mask), dtype=torch.bool, device=device)])
         mask = torch.cat([rows, torch.eye(S, dtype=torch.bool, device=device)[:, len(mask):]], dim=1)
-        mask[-k:, P:] = builder.frontier_mask()[0]
+        mask[-k:, P:] = builder.frontier.ancestors[0]
         o = head.step(embeds, hidden, positions[None], MaskedAttention(mask[None]))[:, -k:]
         tokens = builder.extend(*top_k(head.logits(o), k))
-        parents_out = o.gather(1, builder.frontier_parent_rows[:, :, None].expand(-1, -1, o.shape[-1]))
+        parents_out = o.gather(1, builder.frontier.rows[:, :, None].expand(-1, -1, o.shape[-1]))
     tree = builder.finalize(shape.num_draft_tokens)
     return torch.cat([ids[:, P:], hot.to_target(tree.tokens[:, 1:])], dim=1), tree.parents
 
 
-def recording(seen: list):
-    """top_log_probs that also keeps every logits tensor it is given."""
-    def top_k(logits, k):
+def recording(seen: list, top_k=top_log_probs):
+    """`top_k` (a top_log_probs) that also keeps every logits tensor it is given."""
+    def recorded(logits, k):
         seen.append(logits.clone())
-        return top_log_probs(logits, k)
-    return top_k
+        return top_k(logits, k)
+    return recorded
 
 
 @torch.no_grad()
@@ -100,7 +101,8 @@ def check_drafted_tree(target, shape: TreeShape, tol: float):
     request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=8)
     engine.step()  # the prefill: the first token, the draft extended over the prompt
     served, recomputed = [], []
-    engine.drafter.top_log_probs = recording(served)
+    kernels = engine.drafter.kernels  # on CUDA the fused ones: the reference drafts with torch's
+    engine.drafter.kernels = dataclasses.replace(kernels, top_log_probs=recording(served, kernels.top_log_probs))
     tree = engine.drafter.draft_tree(shape, torch.tensor([request.last_token], device=device), [request.draft],
                                      torch.tensor([request.cached], device=device), engine._block_table([request]))
     tokens, parents = reference_tree(engine, request, shape, recording(recomputed))

@@ -13,6 +13,8 @@ does, so what is left in half precision is one ulp (2^-11, 2^-8 relative) where 
 the other side of a rounding boundary. The residual sum is compared exactly.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from eyas.common.attention import CausalAttention
 from eyas.common.config import RopeConfig
 from eyas.common.layers import Kernels, RMSNorm, Rotary, apply_rotary
 from eyas.common.target import TargetModel
+from eyas.serve import tree
 from eyas.serve.verify import verify_greedy
 from tests import triton_interpreter
 from tests.conftest import FAMILIES
@@ -112,6 +115,40 @@ def check_verify_greedy(device, B, N, max_depth=None, impl=kernels.verify_greedy
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def check_tree_builder(device, B, k, steps, n, ties=False, impl=kernels.DRAFT):
+    """Two builders fed the same random passes, the torch one and one on `impl`'s kernels: every pass's frontier
+    and candidates, and the final tree, equal. `ties`: integer log-probs, -inf among them (ranks fall to creation
+    order, as a stable sort orders them)."""
+    gen = torch.Generator().manual_seed(B * 1000 + k * 10 + steps)
+
+    def children(*shape):  # a pass's top-k output: log-probs [*shape, k] descending, tokens [*shape, k]
+        if ties:
+            scores = -torch.randint(0, 3, (*shape, k), generator=gen).float()
+            scores[torch.rand(scores.shape, generator=gen) < 0.1] = float("-inf")
+        else:
+            scores = -3 * torch.rand(*shape, k, generator=gen)
+        tokens = torch.randint(0, 1000, (*shape, k), generator=gen)
+        return scores.sort(dim=-1, descending=True).values.to(device), tokens.to(device)
+
+    roots = torch.randint(0, 1000, (B,), generator=gen).to(device)
+    reference, fused = tree.TreeBuilder(roots, k), tree.TreeBuilder(roots, k, impl)
+    first = children(B)
+    assert torch.equal(reference.first(*first), fused.first(*first))
+    for _ in range(steps - 1):
+        step = children(B, k)
+        assert torch.equal(reference.extend(*step), fused.extend(*step))
+        for field in dataclasses.fields(tree.Frontier):
+            ours, theirs = getattr(fused.frontier, field.name), getattr(reference.frontier, field.name)
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), field.name
+        for ours, theirs in zip(fused.scores + fused.parents, reference.scores + reference.parents, strict=True):
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    ours, theirs = fused.finalize(n), reference.finalize(n)
+    assert theirs.depth.max() == min(steps, n - 1) or ties  # the walk reaches the deepest nodes
+    for field in dataclasses.fields(tree.DraftTree):
+        a, b = getattr(ours, field.name), getattr(theirs, field.name)
+        assert a.dtype == b.dtype and torch.equal(a, b), field.name
+
+
 def check_model(path, device, dtype, rel_tol, T):
     """The whole TargetModel forward on 2 rows of T tokens (final hidden, aux states, logits) with the fused kernels
     installed vs the torch ones, each fused kernel called where expected."""
@@ -200,6 +237,17 @@ def test_verify_greedy_cuda(case):
     check_verify_greedy("cuda", *case)
 
 
+TREES_CUDA = [(1, 8, 6, 48), (1, 8, 8, 64), (64, 8, 6, 48), (4, 1, 7, 8), (3, 4, 5, 8), (2, 10, 6, 60),
+              (2, 16, 4, 100), (2, 17, 3, 40), (1, 12, 16, 64), (2, 4, 3, 300)]  # B, k, steps, n; k 17, C 2461: torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("case", TREES_CUDA, ids=lambda c: "B{}-k{}-steps{}-n{}".format(*c))
+def test_tree_builder_cuda(case, ties):
+    check_tree_builder("cuda", *case, ties)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_model_cuda(family, hf_checkpoint):
@@ -276,6 +324,13 @@ def test_verify_greedy_interpreter(interpreter, case):
     interpreter(check_verify_greedy, "cpu", *case)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("case", [(2, 4, 4, 12), (1, 3, 3, 20), (3, 1, 4, 5), (1, 2, 2, 3)],
+                         ids=lambda c: "B{}-k{}-steps{}-n{}".format(*c))
+def test_tree_builder_interpreter(interpreter, case, ties):
+    interpreter(check_tree_builder, "cpu", *case, ties)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_model_interpreter(interpreter, family, hf_checkpoint):
     interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, 9)
@@ -302,13 +357,26 @@ def _top_of_unnormalised(logits, k):
     return values, indices
 
 
+def _forget_ancestors(frontier, child_scores, child_tokens, start):
+    scores, parents, grown = kernels.grow_frontier(frontier, child_scores, child_tokens, start)
+    grown.ancestors[:, :, : frontier.ancestors.shape[2]] = False
+    return scores, parents, grown
+
+
+def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
+    return kernels.select_tree(tokens, scores, parents, num_draft_tokens, max_depth - 1)
+
+
 @pytest.mark.parametrize("check, args", [
     (check_rms_norm, ("cpu", torch.float32, 7, 96, True, False, None, _norm_without_eps)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
     (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
-], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up", "top-of-unnormalised", "walk-into-padding"])
+    (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
+    (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
+], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
+        "frontier-forgets-ancestors", "tree-walk-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):

@@ -19,14 +19,14 @@ def test_worked_example_from_the_docstring():
     builder = TreeBuilder(torch.tensor([9]), topk=2)
     frontier = builder.first(*logp_row(V, t1=-0.1, t2=-0.5)[None].topk(2))
     assert frontier.tolist() == [[1, 2]]
-    assert builder.frontier_mask().tolist() == [[[True, False], [False, True]]]
+    assert builder.frontier.ancestors.tolist() == [[[True, False], [False, True]]]
     logp = torch.stack([logp_row(V, t3=-0.2, t4=-0.9), logp_row(V, t5=-0.2, t6=-1.5)])[None]  # [1, 2, V]
     frontier = builder.extend(*logp.topk(2))
     # children scores: c -0.3, d -1.0, e -0.7, f -2.0 -> frontier [c, e] (creation order), rows [a, b]
     assert frontier.tolist() == [[3, 5]]
-    assert builder.frontier_parent_rows.tolist() == [[0, 1]]
+    assert builder.frontier.rows.tolist() == [[0, 1]]
     # drafted nodes so far: [a, b, c, e]; c sees a and itself; e sees b and itself
-    assert builder.frontier_mask().int().tolist() == [[[1, 0, 1, 0], [0, 1, 0, 1]]]
+    assert builder.frontier.ancestors.int().tolist() == [[[1, 0, 1, 0], [0, 1, 0, 1]]]
     tree = builder.finalize(4)
     assert tree.tokens.tolist() == [[9, 1, 2, 3]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
