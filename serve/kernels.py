@@ -309,7 +309,6 @@ def grow_frontier(frontier: tree.Frontier, child_scores: Tensor, child_tokens: T
         frontier.nodes, frontier_scores, frontier.ancestors, child_scores, child_tokens, scores, parents, nodes,
         best_scores, tokens, rows, ancestors, start, P, *frontier.nodes.stride(), *frontier.ancestors.stride(),
         K=k, K_POW2=triton.next_power_of_2(k), KK_POW2=triton.next_power_of_2(k * k),
-        P_POW2=triton.next_power_of_2(max(P, 1)),
     )
     return scores, parents, tree.Frontier(nodes, best_scores, tokens, rows, ancestors)
 
@@ -318,7 +317,7 @@ def grow_frontier(frontier: tree.Frontier, child_scores: Tensor, child_tokens: T
 def _grow_frontier_kernel(frontier_ptr, frontier_scores_ptr, ancestors_ptr, child_scores_ptr, child_tokens_ptr,
                           scores_ptr, parents_ptr, nodes_ptr, best_scores_ptr, tokens_ptr, rows_ptr,
                           new_ancestors_ptr, start, P, stride_fb, stride_fi, stride_ab, stride_ai, stride_ap,
-                          K: tl.constexpr, K_POW2: tl.constexpr, KK_POW2: tl.constexpr, P_POW2: tl.constexpr):
+                          K: tl.constexpr, K_POW2: tl.constexpr, KK_POW2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, KK_POW2)  # child i: frontier row i // K, its (i % K)-th best child
     ok = i < K * K
@@ -339,14 +338,16 @@ def _grow_frontier_kernel(frontier_ptr, frontier_scores_ptr, ancestors_ptr, chil
     tl.store(best_scores_ptr + out, s, mask=chosen)
     tl.store(tokens_ptr + out, tl.load(child_tokens_ptr + row * K * K + i, mask=ok), mask=chosen)
     tl.store(rows_ptr + out, parent_row, mask=chosen)
-    # Its drafted ancestors: its parent's row of the old mask [P], then itself among the new frontier [K].
-    p = tl.arange(0, P_POW2)
-    inherited = tl.load(ancestors_ptr + row * stride_ab + parent_row[:, None] * stride_ai + p[None, :] * stride_ap,
-                        mask=chosen[:, None] & (p[None, :] < P), other=0)
-    new_row = new_ancestors_ptr + out[:, None] * (P + K)
-    tl.store(new_row + p[None, :], inherited, mask=chosen[:, None] & (p[None, :] < P))
+    # Its drafted ancestors: its parent's row of the old mask [P] (K columns at a time: P is a multiple of K), then
+    # itself among the new frontier [K].
     c = tl.arange(0, K_POW2)
-    tl.store(new_row + P + c[None, :], c[None, :] == at[:, None], mask=chosen[:, None] & (c[None, :] < K))
+    copy = chosen[:, None] & (c[None, :] < K)
+    parent_mask = ancestors_ptr + row * stride_ab + parent_row[:, None] * stride_ai
+    new_row = new_ancestors_ptr + out[:, None] * (P + K)
+    for p0 in range(0, P, K):
+        inherited = tl.load(parent_mask + (p0 + c[None, :]) * stride_ap, mask=copy, other=0)
+        tl.store(new_row + p0 + c[None, :], inherited, mask=copy)
+    tl.store(new_row + P + c[None, :], c[None, :] == at[:, None], mask=copy)
 
 
 def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_tokens: int, max_depth: int
