@@ -1,5 +1,6 @@
 """Fused Triton kernels for inference: RMSNorm (optionally after the residual add), rotary on q and k, SiLU·mul;
-and for speculation, the draft's top-k log-probs and greedy verification's walk down the tree.
+and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the
+final tree) and greedy verification's walk down the tree.
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -10,7 +11,7 @@ rsqrt/exp.
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever
-the attention backend (`install`); the drafter and the target pass's graph take `top_log_probs` and
+the attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
 `verify_greedy` in place of their torch references (`serve.tree`, `serve.verify`), which they equal. They have no
 backward: the trainer keeps the torch kernels. Launches read
 sizes from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the
