@@ -50,14 +50,15 @@ def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 @dataclass
 class Frontier:
-    """The k nodes per request that the next draft pass runs on, in creation order."""
+    """The k nodes per request that the next draft pass runs on, in creation order. `ancestors` [B, k, P] is over
+    the P = k·depth nodes drafted so far, in drafting order: each node's drafted ancestors and itself (the draft's
+    own KV of this tree that the node attends to)."""
 
     nodes: Tensor  # [B, k] their candidate indices
     scores: Tensor  # [B, k] float32 their scores
     tokens: Tensor  # [B, k] their draft-vocabulary tokens
     rows: Tensor | None  # [B, k] the row of the previous frontier each one extends (None at depth 1)
-    ancestors: Tensor  # [B, k, P] bool over the P = k·depth nodes drafted so far, in drafting order: each node's
-    #                    drafted ancestors and itself (the draft's own KV of this tree it attends to)
+    ancestors: Tensor  # [B, k, P] bool
 
 
 def grow_frontier(frontier: Frontier, child_scores: Tensor, child_tokens: Tensor, start: int
