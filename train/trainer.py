@@ -116,7 +116,8 @@ def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
 
 
 def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab | None, cfg: ModelConfig) -> Eagle3Head:
-    """A head of `config` (`head_config`) whose draft vocabulary is `hot` (None with `cfg.init_from`).
+    """A head of `config` (`head_config`) whose draft vocabulary is `hot`. None: the vocabulary comes from elsewhere,
+    `cfg.init_from`'s head or, when resuming, the checkpoint loaded next (which sets every weight: no init here).
 
     With `cfg.init_from`, the head of an earlier run (its `final/`) is trained further: its weights and its draft
     vocabulary (the lm_head rows keep their tokens). Refused unless shaped as `config`. Else, with
@@ -135,6 +136,8 @@ def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab | None, 
                               + ", ".join(differ))
         return head.train()
     head = Eagle3Head(config)
+    if hot is None:
+        return head
     head.set_hot_vocab(hot)
     if cfg.init_from_target:
         with torch.no_grad():
@@ -246,10 +249,10 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     batches, eval_batches = data.train, data.eval
     ckpt_root = output / "checkpoints"
     found = checkpoint.checkpoints(ckpt_root) if recipe.checkpoint.resume else []
-    # A checkpoint holds the whole head, vocabulary included: resuming does not read model.init_from again. A head
-    # trained further keeps its own vocabulary, so this run's is not counted.
+    # A checkpoint holds the whole head, vocabulary included: resuming reads neither model.init_from again nor this
+    # run's vocabulary. A head trained further keeps its own. Either way this run's vocabulary is not counted.
     model = dataclasses.replace(recipe.model, init_from=None) if found else recipe.model
-    head = build_head(config, target, None if model.init_from else data.hot, model)
+    head = build_head(config, target, None if found or model.init_from else data.hot, model)
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
     engine, _, _, _ = deepspeed.initialize(

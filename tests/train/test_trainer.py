@@ -53,14 +53,18 @@ def test_ci_tiny_end_to_end(full_run):
         assert torch.equal(tensor, speculators.state_dict()[name]), name
 
 
-def test_resume_is_exact(full_run, tmp_path):
+def test_resume_is_exact(full_run, tmp_path, monkeypatch):
+    """Resumed from its checkpoint, which holds the draft vocabulary (the run does not count it again), a run ends
+    as the uninterrupted one did."""
     recipe, run = full_run
     stopped = train(load_recipe("ci-tiny", QUIET + ["checkpoint.stop_after=3"]), tmp_path)
     assert stopped is None and not (tmp_path / "final").exists()
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_2"]
 
-    assert train(load_recipe("ci-tiny", QUIET), tmp_path) == tmp_path / "final"  # resumes from step_2
+    with monkeypatch.context() as patch:
+        patch.setattr(train_data, "draft_vocab", lambda *a: pytest.fail("counted a vocabulary the checkpoint holds"))
+        assert train(load_recipe("ci-tiny", QUIET), tmp_path) == tmp_path / "final"  # resumes from step_2
     assert metrics(tmp_path) == metrics(run)  # step 3 is redone; every number matches
     want, got = load_file(run / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
     assert want.keys() == got.keys()
