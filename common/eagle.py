@@ -77,9 +77,8 @@ class EagleLayer(nn.Module):
         self.index = index
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
-        h = x if self.input_layernorm is None else self.input_layernorm(x)
-        h, x = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn, self.index), x)  # add + norm
-        return x + self.mlp(h)
+        x = self.self_attn(x, cos, sin, attn, self.index, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class EagleHead(nn.Module):

@@ -144,8 +144,8 @@ class Eagle3Layer(nn.Module):
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         residual = normed if self.norm_before_residual else hidden
-        h, r = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, 0), residual)  # add + norm, one kernel
-        return r + self.mlp(h)
+        r = self.self_attn(x, cos, sin, attn, 0, residual=residual)
+        return self.mlp(r, norm=self.post_attention_layernorm, residual=r)
 
 
 class Eagle3Head(nn.Module):

@@ -18,15 +18,16 @@ from .attention import AttentionMetadata
 from .config import RopeConfig
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """x [..., dim] -> norm(x); with `residual`: -> (norm(x + residual), x + residual)."""
-    if residual is not None:
-        x = x + residual
-        return rms_norm(x, weight, eps), x
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., dim] -> norm(x)."""
     # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -36,14 +37,29 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
+                 silu_mul_input: bool = False, residual: Tensor | None = None) -> Tensor:
+    """residual + linear(prologue(x)): what a layer does around a projection, one kernel where fused (at one token,
+    `eyas.serve.kernels.fused_linear`). The prologue is RMSNorm (`norm` = its (weight, eps)) or, with
+    `silu_mul_input`, SiLU·mul of x's two halves. x [..., K] ([..., 2K] with silu_mul_input), weight [N, K] ->
+    [..., N]."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    if silu_mul_input:
+        x = silu_mul(*x.chunk(2, dim=-1))
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The elementwise work of a layer. Layers call `self.kernels`; these torch versions are the reference, and
     the server swaps in fused Triton ones from outside (`eyas.serve.kernels.install`), leaving the model as is."""
 
-    rms_norm: Callable = rms_norm  # (x, weight, eps, residual=None) as above
+    rms_norm: Callable = rms_norm
     rotary: Callable = lambda q, k, cos, sin: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
-    silu_mul: Callable = lambda gate, up: F.silu(gate) * up
+    silu_mul: Callable = silu_mul
+    linear: Callable = fused_linear
 
 
 class RMSNorm(nn.Module):
@@ -54,10 +70,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """x [..., dim] -> norm(x). With `residual` (add + norm, one kernel when fused): -> (norm(x + residual),
-        x + residual)."""
-        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., dim] -> norm(x)."""
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    @property
+    def prologue(self) -> dict:
+        """This norm as a linear layer's prologue: `Kernels.linear(x, w, **norm.prologue)` = linear(norm(x))."""
+        return {"norm": (self.weight, self.eps)}
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> Tensor:
@@ -132,12 +152,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections`
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int, *,
+                norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
+        """x [B, T, in_features] -> residual + attention(norm(x)) [B, T, hidden]: the norm before and the residual add
+        after go into the projections' kernels (`Kernels.linear`)."""
         B, T, _ = x.shape
         if self.qkv_proj is not None:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+            qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, **(norm.prologue if norm else {}))
+            q, k, v = qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         else:
+            x = norm(x) if norm is not None else x
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -146,7 +171,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, k, cos, sin)
         out = attn.attend(layer, q, k, v)  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.kernels.linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, residual=residual)
 
 
 class MLP(nn.Module):
@@ -159,12 +184,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections`
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
+        """x [..., hidden] -> residual + mlp(norm(x)), the norm and the add fused as in `Attention.forward`."""
+        down = self.down_proj
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.kernels.silu_mul(gate, up))
+            gate_up = self.kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                          **(norm.prologue if norm else {}))
+            return self.kernels.linear(gate_up, down.weight, down.bias, silu_mul_input=True, residual=residual)
+        x = norm(x) if norm is not None else x
+        h = self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x))
+        return self.kernels.linear(h, down.weight, down.bias, residual=residual)
 
 
 KERNEL_USERS = (RMSNorm, Attention, MLP)  # the modules whose `kernels` the server replaces

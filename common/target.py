@@ -44,9 +44,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
-        # The attention's residual add goes into the second norm (one kernel where the server installs fused ones).
-        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn, layer), x)
-        return x + self.mlp(h)
+        x = self.self_attn(x, cos, sin, attn, layer, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class DecoderStack(nn.Module):

@@ -1,6 +1,7 @@
-"""Fused Triton kernels for inference: RMSNorm (optionally after the residual add), rotary on q and k, SiLU·mul;
-and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the
-final tree) and greedy verification's walk down the tree.
+"""Fused Triton kernels for inference: RMSNorm, rotary on q and k, SiLU·mul, a one-token linear layer with the
+norm or SiLU·mul before it and the residual add after it fused in; and for speculation, the draft's top-k
+log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk
+down the tree.
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -45,43 +46,24 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] -> [..., N].
-
-    With `residual` (same shape): s = x + residual, rounded to their dtype -> (norm(s), s), as the reference's
-    `x = x + residual` followed by the norm. Outputs are new contiguous tensors; the norm's dtype is the
-    reference's (weight's and input's promoted).
-    """
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] -> a new contiguous [..., N] in
+    the reference's dtype (weight's and input's promoted)."""
     n = x.shape[-1]
     rows = _rows(x)
-    if residual is None:
-        res, summed = rows, None  # placeholders: without a residual the kernel neither reads res nor writes a sum
-        in_dtype = x.dtype
-    else:
-        assert residual.shape == x.shape
-        res = _rows(residual)
-        in_dtype = torch.promote_types(x.dtype, residual.dtype)
-        summed = torch.empty(x.shape, dtype=in_dtype, device=x.device)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, in_dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows, res, weight.contiguous(), out, out if summed is None else summed, rows.stride(0), res.stride(0), n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
-    )
-    return out if summed is None else (out, summed)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, rows.stride(0), n, eps, BLOCK=block,
+                                       num_warps=min(max(block // 512, 1), 16))
+    return out
 
 
 @jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * N + cols, x, mask=ok)
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
     normed = (x32 * rstd).to(x.dtype)  # the reference casts back to the input dtype before the weight
@@ -172,6 +154,95 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK
     tl.store(out_ptr + row * n + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+_NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # prologues
+
+
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
+                 silu_mul_input: bool = False, residual: Tensor | None = None) -> Tensor:
+    """`eyas.common.layers.fused_linear`: residual + linear(prologue(x)) with prologue RMSNorm (`norm` = (weight,
+    eps)) or SiLU·mul of x's two halves. x [..., K] (or [..., 2K] with silu_mul_input), weight [N, K] -> [..., N]."""
+    assert not (norm is not None and silu_mul_input)
+    if x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous():
+        return _composed(x, weight, bias, norm, silu_mul_input, residual)
+    x = x.contiguous()
+    N, K = weight.shape
+    assert x.shape[-1] == (2 * K if silu_mul_input else K), f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
+    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps = launch_config(N, K)
+    _fused_linear_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, norm[0] if norm else weight,
+        residual.contiguous() if residual is not None else out, out, N, K, norm[1] if norm else 0.0,
+        PROLOGUE=_RMS_NORM if norm else _SILU_MUL if silu_mul_input else _NONE, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM_BLOCK=min(triton.next_power_of_2(K), 8192), num_warps=num_warps,
+    )
+    return out
+
+
+def _composed(x, weight, bias, norm, silu_mul_input, residual):
+    """More than one row, where the matmul is cuBLAS's: the fused RMSNorm or SiLU·mul kernel before it, and the
+    residual added in its epilogue (`addmm`: the sum is rounded once, where the reference rounds the product and
+    then the sum)."""
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1])
+    if silu_mul_input:
+        x = silu_mul(*x.chunk(2, dim=-1))
+    if residual is None or bias is not None:
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y if residual is None else residual + y
+    return torch.addmm(_rows(residual), _rows(x), weight.t()).view(residual.shape)
+
+
+def launch_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep at Llama-3.1-8B's shapes on an H200 (docs/perf.md): 16 outputs a
+    program; long chunks of K for the narrow projections, shorter ones (and fewer warps) for the wide gate/up and
+    lm_head, whose thousands of programs already keep enough loads in flight."""
+    return (16, 256, 4) if N >= 16384 else (16, 1024, 8)
+
+
+@triton.jit
+def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr, N, K, eps, PROLOGUE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """One row x [K] (or [2K]) against BLOCK_N rows of w [N, K]: products summed over K at the end ([BLOCK_N,
+    BLOCK_K] fp32 partial sums, so each load's reduction does not wait on the last)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    if PROLOGUE == 1:  # RMSNorm needs the row's mean square first (a few KiB, read again below from cache)
+        i = tl.arange(0, NORM_BLOCK)
+        squares = tl.zeros([NORM_BLOCK], tl.float32)
+        for start in range(0, K, NORM_BLOCK):  # once, unless K > NORM_BLOCK: each load waits on the cache
+            chunk = tl.load(x_ptr + start + i, mask=start + i < K, other=0.0).to(tl.float32)
+            squares += chunk * chunk
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        kk = start + k
+        k_ok = kk < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K]
+        if PROLOGUE == 2:  # silu(gate) * up, rounded where F.silu and the product are
+            gate = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            a = (silu * up).to(dtype)
+        else:
+            a = tl.load(x_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
+            if PROLOGUE == 1:  # normalised in fp32, cast back, scaled by the norm's weight
+                normed = (a.to(tl.float32) * rstd).to(dtype).to(tl.float32)
+                a = (normed * tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    y = tl.sum(acc, 1)  # [BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    y = y.to(dtype)
+    if HAS_RESIDUAL:
+        y = (y.to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + n, y, mask=n_ok)
+
+
 TOP_CHUNK = 2048  # vocabulary entries per program of `top_log_probs`' first kernel
 TOP_MAX_K = 32  # larger k: the torch reference
 
@@ -248,10 +319,12 @@ def _merge_top_kernel(best_ptr, where_ptr, max_ptr, sum_ptr, values_ptr, indices
 def verify_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, node_valid: Tensor, max_depth: int | None = None
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """`eyas.serve.verify.verify_greedy` with the walk down the tree in one launch (torch takes about ten kernels a
-    tree level): the target's argmax [B, N] stays torch's, then one program per row walks its tree."""
+    tree level): the target's argmax [B, N] from `top_log_probs` (two launches, where torch's reduce over a 128k
+    vocabulary takes 28 µs at one token; the first maximum wins, as in torch), then one program per row walks its
+    tree."""
     B, N = tokens.shape
     steps = N - 1 if max_depth is None else min(max_depth, N - 1)
-    target = logits.argmax(-1)  # [B, N]
+    target = top_log_probs(logits, 1)[1].squeeze(-1)  # [B, N]
     accepted = torch.empty(B, N, dtype=torch.long, device=tokens.device)
     num_accepted, bonus = (torch.empty(B, dtype=torch.long, device=tokens.device) for _ in range(2))
     tokens, parents, node_valid = (x.contiguous() for x in (tokens, parents, node_valid))
@@ -416,4 +489,4 @@ def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_
 
 DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
 
-FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)
+FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, linear=fused_linear)

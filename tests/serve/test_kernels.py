@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from eyas.common.attention import CausalAttention
 from eyas.common.config import RopeConfig
-from eyas.common.layers import Kernels, RMSNorm, Rotary, apply_rotary
+from eyas.common.layers import Kernels, RMSNorm, Rotary, apply_rotary, fuse_projections, fused_linear, rms_norm
 from eyas.common.target import TargetModel
 from eyas.serve import tree
 from eyas.serve.verify import verify_greedy
@@ -48,21 +48,37 @@ def randn(*shape, dtype, device, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype=dtype, device=device)
 
 
-def check_rms_norm(device, dtype, rows, n, residual=False, sliced=False, weight_dtype=None, impl=kernels.rms_norm):
-    """x [rows, n] whose row scales span 1e-3..10 (eps matters in the smallest); `sliced`: x and residual are
-    views with a row stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one)."""
+def check_rms_norm(device, dtype, rows, n, sliced=False, weight_dtype=None, impl=kernels.rms_norm):
+    """x [rows, n] whose row scales span 1e-3..10 (eps matters in the smallest); `sliced`: x is a view with a row
+    stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one)."""
     scale = torch.logspace(-3, 1, rows)[:, None]
-    x, res = (randn(rows, 2 * n if sliced else n, dtype=dtype, device=device, seed=s, scale=scale)[:, :n]
-              for s in (0, 1))
+    x = randn(rows, 2 * n if sliced else n, dtype=dtype, device=device, seed=0, scale=scale)[:, :n]
     norm = RMSNorm(n, EPS).to(device=device, dtype=weight_dtype or dtype)
     with torch.no_grad():
         norm.weight.copy_(randn(n, dtype=norm.weight.dtype, device=device, seed=2, scale=0.1) + 1)
-        ref = norm(x, res) if residual else norm(x)  # the torch kernels, the layers' default
-        out = impl(x, norm.weight, EPS, res if residual else None)
-    if residual:
-        assert torch.equal(out[1], ref[1]) and out[1].is_contiguous()
-        out, ref = out[0], ref[0]
-    assert_matches(out, ref, dtype)
+        assert_matches(impl(x, norm.weight, EPS), norm(x), dtype)  # vs the torch kernel, the layers' default
+
+
+def check_fused_linear(device, dtype, rows, N, K, prologue, bias=False, residual=False, impl=kernels.fused_linear):
+    """residual + linear(prologue(x)) for x [rows, K] ([rows, 2K] for SiLU·mul) and weight [N, K] scaled to keep
+    outputs near 1; prologue "none", "norm" (x's row scales span 1e-3..10) or "silu"; vs the torch reference."""
+    scale = torch.logspace(-3, 1, rows)[:, None] if prologue == "norm" else 4.0
+    x = randn(rows, 2 * K if prologue == "silu" else K, dtype=dtype, device=device, seed=0, scale=scale)
+    weight = randn(N, K, dtype=dtype, device=device, seed=1, scale=K ** -0.5)
+    extra = dict(
+        bias=randn(N, dtype=dtype, device=device, seed=2) if bias else None,
+        norm=(randn(K, dtype=dtype, device=device, seed=3, scale=0.1) + 1, EPS) if prologue == "norm" else None,
+        silu_mul_input=prologue == "silu",
+        residual=randn(rows, N, dtype=dtype, device=device, seed=4) if residual else None,
+    )
+    out, ref = impl(x, weight, **extra), fused_linear(x, weight, **extra)
+    # The sum's order differs from cuBLAS's: allow for fp32 rounding of the largest sum of |products| (about 240 at
+    # K = 14336, where 1e-5 alone is too tight in fp32).
+    gate, up = x.chunk(2, dim=-1)
+    a = rms_norm(x, *extra["norm"]) if prologue == "norm" else F.silu(gate) * up if prologue == "silu" else x
+    bound = (a.float().abs() @ weight.float().abs().T).max().item()
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=TOLERANCE[dtype] + 2**-20 * bound, rtol=TOLERANCE[dtype])
 
 
 def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=kernels.rotary):
@@ -150,33 +166,39 @@ def check_tree_builder(device, B, k, steps, n, ties=False, impl=kernels.DRAFT):
         assert a.dtype == b.dtype and torch.equal(a, b), field.name
 
 
-def check_model(path, device, dtype, rel_tol, T):
-    """The whole TargetModel forward on 2 rows of T tokens (final hidden, aux states, logits) with the fused kernels
-    installed vs the torch ones, each fused kernel called where expected."""
+def check_model(path, device, dtype, rel_tol, B, T, joint=False):
+    """The whole TargetModel forward on B rows of T tokens (final hidden, aux states, logits) with the fused kernels
+    installed vs the torch ones, each fused kernel called where expected. `joint`: q/k/v and gate/up projections
+    joined, as served (the norms and SiLU·mul then run inside `linear`)."""
     model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
+    if joint:
+        fuse_projections(model)
     cfg = model.config
-    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0)).to(device)
-    positions = torch.arange(T, device=device).expand(2, -1) + 7
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(T, device=device).expand(B, -1) + 7
 
     def forward():
         out = model(ids, positions, CausalAttention(), aux_layers=cfg.default_aux_layers)
         return out.hidden, out.aux, model.logits(out.hidden)
 
-    calls = {name: 0 for name in ("rms_norm", "rotary", "silu_mul")}
+    calls = {name: 0 for name in ("rms_norm", "rotary", "silu_mul", "linear")}
 
     def counted(name):
-        def call(*args):
+        def call(*args, **kwargs):
             calls[name] += 1
-            return getattr(kernels.FUSED, name)(*args)
+            return getattr(kernels.FUSED, name)(*args, **kwargs)
         return call
 
     with torch.no_grad():
         ref = forward()
         kernels.install(model, Kernels(**{name: counted(name) for name in calls}))
         out = forward()
-    L = cfg.num_hidden_layers
-    # Per layer: the input norm, the add + post-attention norm, Qwen3's q and k norms; the final norm.
-    assert calls == dict(rms_norm=(4 if cfg.qk_norm else 2) * L + 1, rotary=L, silu_mul=L)
+    L, qk_norms = cfg.num_hidden_layers, 2 if cfg.qk_norm else 0
+    # Per layer, joint: Qwen3's q and k norms, four linears (the other norms and SiLU·mul inside them). Separate: the
+    # two norms, SiLU·mul, the o and down linears (with the residual adds). And the final norm.
+    expected = dict(rms_norm=qk_norms * L + 1, rotary=L, silu_mul=0, linear=4 * L) if joint else dict(
+        rms_norm=(qk_norms + 2) * L + 1, rotary=L, silu_mul=L, linear=2 * L)
+    assert calls == expected
     for a, b in zip(out, ref, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -192,18 +214,33 @@ def _id(value):
 
 # --- CUDA: the real shapes ---
 @pytest.mark.gpu
-@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
 @pytest.mark.parametrize("rows, n", [(1, 4096), (7, 4096), (4096, 4096), (1, 576), (4096, 576), (4096 * 8, 128)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_rms_norm_cuda(dtype, rows, n, residual):
-    check_rms_norm("cuda", dtype, rows, n, residual)
+def test_rms_norm_cuda(dtype, rows, n):
+    check_rms_norm("cuda", dtype, rows, n)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_rms_norm_cuda_strided_and_mixed_dtypes(dtype):
-    check_rms_norm("cuda", dtype, 300, 4096, True, True)
-    check_rms_norm("cuda", dtype, 300, 576, False, False, torch.float32)
+    check_rms_norm("cuda", dtype, 300, 4096, True)
+    check_rms_norm("cuda", dtype, 300, 576, False, torch.float32)
+
+
+# Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v; one row (the Triton kernel) and 48 (composed).
+LINEAR_CUDA = [(1, 6144, 4096, "norm", False, False), (1, 4096, 4096, "none", False, True),
+               (1, 28672, 4096, "norm", False, False), (1, 4096, 14336, "silu", False, True),
+               (1, 128256, 4096, "none", False, False), (1, 960, 576, "norm", True, False),
+               (48, 6144, 4096, "norm", False, False), (48, 4096, 14336, "silu", False, True),
+               (48, 4096, 4096, "none", True, True)]  # rows, N, K, prologue, bias, residual
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LINEAR_CUDA, ids=lambda c:
+                         "r{}-N{}-K{}-{}".format(*c) + "-bias" * c[4] + "-res" * c[5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_fused_linear_cuda(dtype, case):
+    check_fused_linear("cuda", dtype, *case)
 
 
 @pytest.mark.gpu
@@ -250,9 +287,10 @@ def test_tree_builder_cuda(case, ties):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B, T, joint", [(2, 300, False), (2, 300, True), (1, 1, True)], ids=str)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_model_cuda(family, hf_checkpoint):
-    check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 1e-2, 300)
+def test_model_cuda(family, B, T, joint, hf_checkpoint):
+    check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 1e-2, B, T, joint)
 
 
 @pytest.mark.gpu
@@ -287,15 +325,26 @@ def interpreter():
 
 
 HALVES = [torch.float32, torch.float16]
-RMS_CPU = [(1, 576, False, False, None), (7, 96, True, False, None), (33, 128, True, True, None),
-           (5, 64, False, True, torch.float32)]  # rows, n, residual, sliced, weight_dtype
+RMS_CPU = [(1, 576, False, None), (7, 96, False, None), (33, 128, True, None), (5, 64, True, torch.float32)]
+# rows, n, sliced, weight_dtype
 
 
-@pytest.mark.parametrize("case", RMS_CPU, ids=lambda c: f"r{c[0]}-n{c[1]}{'-add' * c[2]}{'-sliced' * c[3]}"
-                         f"{'-w32' * (c[4] is not None)}")
+@pytest.mark.parametrize("case", RMS_CPU,
+                         ids=lambda c: f"r{c[0]}-n{c[1]}{'-sliced' * c[2]}{'-w32' * (c[3] is not None)}")
 @pytest.mark.parametrize("dtype", HALVES, ids=_id)
 def test_rms_norm_interpreter(interpreter, dtype, case):
     interpreter(check_rms_norm, "cpu", dtype, *case)
+
+
+LINEAR_CPU = [(1, 40, 300, "norm", True, True), (1, 33, 1100, "silu", False, True), (1, 600, 64, "none", False, False),
+              (3, 40, 96, "norm", False, True)]  # rows, N, K, prologue, bias, residual; ragged N and K
+
+
+@pytest.mark.parametrize("case", LINEAR_CPU, ids=lambda c:
+                         "r{}-N{}-K{}-{}".format(*c) + "-bias" * c[4] + "-res" * c[5])
+@pytest.mark.parametrize("dtype", HALVES, ids=_id)
+def test_fused_linear_interpreter(interpreter, dtype, case):
+    interpreter(check_fused_linear, "cpu", dtype, *case)
 
 
 ROTARY_CPU = [(1, 1, 9, 3, 64, False), (2, 5, 4, 2, 128, True), (2, 3, 3, 1, 80, False)]  # B, T, Hq, Hkv, D, strided
@@ -332,13 +381,23 @@ def test_tree_builder_interpreter(interpreter, case, ties):
     interpreter(check_tree_builder, "cpu", *case, ties)
 
 
+@pytest.mark.parametrize("B, T, joint", [(2, 9, False), (1, 1, True)], ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_model_interpreter(interpreter, family, hf_checkpoint):
-    interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, 9)
+def test_model_interpreter(interpreter, family, B, T, joint, hf_checkpoint):
+    interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, B, T, joint)
 
 
-def _norm_without_eps(x, weight, eps, residual):
-    return kernels.rms_norm(x, weight, 0.0, residual)
+def _norm_without_eps(x, weight, eps):
+    return kernels.rms_norm(x, weight, 0.0)
+
+
+def _linear_norm_unweighted(x, weight, bias=None, *, norm=None, silu_mul_input=False, residual=None):
+    return kernels.fused_linear(x, weight, bias, norm=(torch.ones_like(norm[0]), norm[1]), residual=residual)
+
+
+def _linear_silu_of_up(x, weight, bias=None, *, norm=None, silu_mul_input=False, residual=None):
+    return kernels.fused_linear(torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1), weight, bias, silu_mul_input=True,
+                                residual=residual)
 
 
 def _rotary_sin_negated(q, k, cos, sin):
@@ -369,14 +428,17 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
 
 
 @pytest.mark.parametrize("check, args", [
-    (check_rms_norm, ("cpu", torch.float32, 7, 96, True, False, None, _norm_without_eps)),
+    (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, _norm_without_eps)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, "norm", True, True, _linear_norm_unweighted)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 33, 1100, "silu", False, True, _linear_silu_of_up)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
     (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
-], ids=["norm-without-eps", "rotary-sin-negated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
+], ids=["norm-without-eps", "linear-norm-unweighted", "linear-silu-of-up",
+        "rotary-sin-negated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
         "frontier-forgets-ancestors", "tree-walk-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
