@@ -38,16 +38,16 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
-                 silu_mul_input: bool = False, residual: Tensor | None = None) -> Tensor:
-    """residual + linear(prologue(x)): what a layer does around a projection, one kernel where fused (at one token,
-    `eyas.serve.kernels.fused_linear`). The prologue is RMSNorm (`norm` = its (weight, eps)) or, with
-    `silu_mul_input`, SiLU·mul of x's two halves. x [..., K] ([..., 2K] with silu_mul_input), weight [N, K] ->
-    [..., N]."""
+                 silu_mul_output: bool = False, residual: Tensor | None = None) -> Tensor:
+    """residual + epilogue(linear(norm(x))): what a layer does around a projection, one kernel where fused (at one
+    token, `eyas.serve.kernels.fused_linear`). `norm`: an RMSNorm's (weight, eps); `silu_mul_output`: SiLU·mul of the
+    output's two halves (a joint gate/up projection). x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with
+    silu_mul_output)."""
     if norm is not None:
         x = rms_norm(x, *norm)
-    if silu_mul_input:
-        x = silu_mul(*x.chunk(2, dim=-1))
     y = F.linear(x, weight, bias)
+    if silu_mul_output:
+        y = silu_mul(*y.chunk(2, dim=-1))
     return y if residual is None else residual + y
 
 
@@ -188,11 +188,11 @@ class MLP(nn.Module):
         """x [..., hidden] -> residual + mlp(norm(x)), the norm and the add fused as in `Attention.forward`."""
         down = self.down_proj
         if self.gate_up_proj is not None:
-            gate_up = self.kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                          **(norm.prologue if norm else {}))
-            return self.kernels.linear(gate_up, down.weight, down.bias, silu_mul_input=True, residual=residual)
-        x = norm(x) if norm is not None else x
-        h = self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x))
+            h = self.kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_mul_output=True,
+                                    **(norm.prologue if norm else {}))
+        else:
+            x = norm(x) if norm is not None else x
+            h = self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x))
         return self.kernels.linear(h, down.weight, down.bias, residual=residual)
 
 

@@ -154,89 +154,97 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK
     tl.store(out_ptr + row * n + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # prologues
-
-
 def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
-                 silu_mul_input: bool = False, residual: Tensor | None = None) -> Tensor:
-    """`eyas.common.layers.fused_linear`: residual + linear(prologue(x)) with prologue RMSNorm (`norm` = (weight,
-    eps)) or SiLU·mul of x's two halves. x [..., K] (or [..., 2K] with silu_mul_input), weight [N, K] -> [..., N]."""
-    assert not (norm is not None and silu_mul_input)
+                 silu_mul_output: bool = False, residual: Tensor | None = None) -> Tensor:
+    """`eyas.common.layers.fused_linear`: residual + epilogue(linear(norm(x))), the RMSNorm with `norm` = (weight,
+    eps), the epilogue SiLU·mul of the output's two halves with `silu_mul_output`. x [..., K], weight [N, K] ->
+    [..., N] ([..., N / 2] with silu_mul_output)."""
     if x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous():
-        return _composed(x, weight, bias, norm, silu_mul_input, residual)
+        return _composed(x, weight, bias, norm, silu_mul_output, residual)
     x = x.contiguous()
     N, K = weight.shape
-    assert x.shape[-1] == (2 * K if silu_mul_input else K), f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
-    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
+    N_out = N // 2 if silu_mul_output else N
+    out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = launch_config(N, K)
-    _fused_linear_kernel[(triton.cdiv(N, block_n),)](
+    block_n //= 2 if silu_mul_output else 1  # outputs a program: each reads a gate row and an up row for one
+    _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
         x, weight, bias if bias is not None else weight, norm[0] if norm else weight,
-        residual.contiguous() if residual is not None else out, out, N, K, norm[1] if norm else 0.0,
-        PROLOGUE=_RMS_NORM if norm else _SILU_MUL if silu_mul_input else _NONE, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_BLOCK=min(triton.next_power_of_2(K), 8192), num_warps=num_warps,
+        residual.contiguous() if residual is not None else out, out, N_out, K, norm[1] if norm else 0.0,
+        HAS_NORM=norm is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_output,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
     return out
 
 
-def _composed(x, weight, bias, norm, silu_mul_input, residual):
-    """More than one row, where the matmul is cuBLAS's: the fused RMSNorm or SiLU·mul kernel before it, and the
+def _composed(x, weight, bias, norm, silu_mul_output, residual):
+    """More than one row, where the matmul is cuBLAS's: the fused RMSNorm before it and SiLU·mul after it, or the
     residual added in its epilogue (`addmm`: the sum is rounded once, where the reference rounds the product and
     then the sum)."""
     if norm is not None:
         x = rms_norm(x, norm[0], norm[1])
-    if silu_mul_input:
-        x = silu_mul(*x.chunk(2, dim=-1))
-    if residual is None or bias is not None:
+    if residual is None or bias is not None or silu_mul_output:
         y = torch.nn.functional.linear(x, weight, bias)
+        y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
         return y if residual is None else residual + y
     return torch.addmm(_rows(residual), _rows(x), weight.t()).view(residual.shape)
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from a sweep at Llama-3.1-8B's shapes on an H200 (docs/perf.md): 16 outputs a
-    program; long chunks of K for the narrow projections, shorter ones (and fewer warps) for the wide gate/up and
-    lm_head, whose thousands of programs already keep enough loads in flight."""
+    """(BLOCK_N, BLOCK_K, num_warps) for a weight [N, K], from a sweep at Llama-3.1-8B's shapes on an H200
+    (docs/perf.md): 16 weight rows a program; long chunks of K for the narrow projections, shorter ones (and fewer
+    warps) for the wide gate/up and lm_head, whose thousands of programs already keep enough loads in flight."""
     return (16, 256, 4) if N >= 16384 else (16, 1024, 8)
 
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr, N, K, eps, PROLOGUE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """One row x [K] (or [2K]) against BLOCK_N rows of w [N, K]: products summed over K at the end ([BLOCK_N,
-    BLOCK_K] fp32 partial sums, so each load's reduction does not wait on the last)."""
+def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr, N, K, eps, HAS_NORM: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row x [K] against BLOCK_N rows of w [N, K] (with SILU_MUL, w is [2N, K]: gate rows, then up rows, and the
+    program reads BLOCK_N of each): products summed over K at the end ([BLOCK_N, BLOCK_K] fp32 partial sums, so
+    each load's reduction does not wait on the last).
+
+    The norm is folded out of the sum: y = rstd * sum(w * x * norm_w), its mean square gathered in the same loop, so
+    the weight loads start at once. (The reference rounds the normed input to the input dtype twice; this rounds
+    nothing before the sum, a difference below the output's own rounding.)"""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
     k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    if PROLOGUE == 1:  # RMSNorm needs the row's mean square first (a few KiB, read again below from cache)
-        i = tl.arange(0, NORM_BLOCK)
-        squares = tl.zeros([NORM_BLOCK], tl.float32)
-        for start in range(0, K, NORM_BLOCK):  # once, unless K > NORM_BLOCK: each load waits on the cache
-            chunk = tl.load(x_ptr + start + i, mask=start + i < K, other=0.0).to(tl.float32)
-            squares += chunk * chunk
-        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SILU_MUL only
+    squares = tl.zeros([BLOCK_K], tl.float32)  # HAS_NORM only
     for start in range(0, K, BLOCK_K):
         kk = start + k
         k_ok = kk < K
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K]
-        if PROLOGUE == 2:  # silu(gate) * up, rounded where F.silu and the product are
-            gate = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            a = (silu * up).to(dtype)
-        else:
-            a = tl.load(x_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
-            if PROLOGUE == 1:  # normalised in fp32, cast back, scaled by the norm's weight
-                normed = (a.to(tl.float32) * rstd).to(dtype).to(tl.float32)
-                a = (normed * tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+        if SILU_MUL:
+            w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
+        a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        if HAS_NORM:
+            squares += a * a
+            a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * a[None, :]
+        if SILU_MUL:
+            acc_up += w_up.to(tl.float32) * a[None, :]
     y = tl.sum(acc, 1)  # [BLOCK_N]
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+        y *= rstd
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    if SILU_MUL:  # silu(gate) * up on the projection's rounded outputs, rounded where F.silu and the product are
+        up = tl.sum(acc_up, 1)
+        if HAS_NORM:
+            up *= rstd
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)
+        gate = y.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = silu * up.to(dtype).to(tl.float32)
     y = y.to(dtype)
     if HAS_RESIDUAL:
         y = (y.to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)).to(dtype)
