@@ -178,16 +178,13 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm:
 
 
 def _composed(x, weight, bias, norm, silu_mul_output, residual):
-    """More than one row, where the matmul is cuBLAS's: the fused RMSNorm before it and SiLU·mul after it, or the
-    residual added in its epilogue (`addmm`: the sum is rounded once, where the reference rounds the product and
-    then the sum)."""
+    """More than one row, where the matmul is cuBLAS's: the fused RMSNorm before it and SiLU·mul after it. (cuBLAS
+    adding the residual, `addmm`, costs a copy of it first: more than the add.)"""
     if norm is not None:
         x = rms_norm(x, norm[0], norm[1])
-    if residual is None or bias is not None or silu_mul_output:
-        y = torch.nn.functional.linear(x, weight, bias)
-        y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
-        return y if residual is None else residual + y
-    return torch.addmm(_rows(residual), _rows(x), weight.t()).view(residual.shape)
+    y = torch.nn.functional.linear(x, weight, bias)
+    y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
+    return y if residual is None else residual + y
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:

@@ -297,7 +297,7 @@ def test_tree_builder_cuda(case, ties):
 @pytest.mark.parametrize("B, T, joint", [(2, 300, False), (2, 300, True), (1, 1, True)], ids=str)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_model_cuda(family, B, T, joint, hf_checkpoint):
-    check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 1e-2, B, T, joint)
+    check_model(hf_checkpoint(family)[0], "cuda", torch.bfloat16, 2e-2, B, T, joint)
 
 
 @pytest.mark.gpu
