@@ -8,7 +8,7 @@ rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends
 reproduces the torch reference in `eyas.common.layers` rounding for rounding: arithmetic runs in fp32 (as
 torch's CUDA kernels compute half types in fp32), and every intermediate the reference materialises in a half
 dtype is rounded to that dtype here too. Results equal the reference up to fp32 reduction order and the fast
-rsqrt/exp.
+rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum (see `_fused_linear_kernel`).
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever
@@ -165,6 +165,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm:
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     N_out = N // 2 if silu_mul_output else N
+    assert residual is None or residual.numel() == N_out, f"residual of {residual.numel()} for {N_out} outputs"
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = launch_config(N, K)
     block_n //= 2 if silu_mul_output else 1  # outputs a program: each reads a gate row and an up row for one
