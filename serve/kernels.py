@@ -168,7 +168,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm:
     assert residual is None or residual.numel() == N_out, f"residual of {residual.numel()} for {N_out} outputs"
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = launch_config(N, K)
-    block_n //= 2 if silu_mul_output else 1  # outputs a program: each reads a gate row and an up row for one
+    block_n //= 2 if silu_mul_output else 1  # a program's outputs: it reads a gate row and an up row for each
     _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
         x, weight, bias if bias is not None else weight, norm[0] if norm else weight,
         residual.contiguous() if residual is not None else out, out, N_out, K, norm[1] if norm else 0.0,
