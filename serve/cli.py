@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -124,6 +125,11 @@ def main(argv: list[str] | None = None) -> None:
                           mem_fraction=args.mem_fraction,
                           max_batch_size=args.max_batch_size, **engine_options(args))
     engine = Engine(target, head, config)
+    if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
+        start = time.perf_counter()
+        engine.warm_up()
+        print(f"[serve-eagle] warmed up (CUDA graphs and kernels for batch sizes up to {config.max_batch_size}) in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     name = args.model_name or model_name(args.target, path)
     app = create_app(EngineWorker(engine), tokenizer, name)
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")

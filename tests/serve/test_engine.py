@@ -233,6 +233,20 @@ def test_abort_frees_blocks(target):
     assert request.finish_reason == "abort" and engine.pool.allocator.num_free == 64 and not engine.has_work()
 
 
+def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, monkeypatch):
+    config = EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128, max_batch_size=3)
+    engine = Engine(target, random_head(target), config)
+    batches = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ps, *args: batches.append(len(ps)) or generate(ps, *args))
+    engine.warm_up(new_tokens=4)
+    assert batches == [1, 2, 3]
+    assert not engine.has_work() and engine.pool.allocator.num_free == 128
+    ps = prompts(3, target.config.vocab_size)
+    fresh = Engine(target, random_head(target), config).generate(ps, GREEDY, max_new_tokens=12)
+    assert [r.output for r in generate(ps, GREEDY, max_new_tokens=12)] == [r.output for r in fresh]
+
+
 def test_prompt_longer_than_context_is_refused(target):
     engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
     with pytest.raises(ValueError, match="context holds"):
