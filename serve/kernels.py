@@ -1,5 +1,5 @@
 """Fused Triton kernels for inference: RMSNorm, rotary on q and k, SiLU·mul, a one-token linear layer with the
-norm or SiLU·mul before it and the residual add after it fused in; and for speculation, the draft's top-k
+RMSNorm before it and SiLU·mul or the residual add after it fused in; and for speculation, the draft's top-k
 log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk
 down the tree.
 
