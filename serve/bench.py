@@ -36,7 +36,6 @@ from eyas.data.tokenizer import render_chat
 
 from .autotune import format_setting, parse_setting, write_autotune
 from .commands import add_engine_arguments, engine_options, load_models, tree_setting
-from .cuda_graphs import BATCH_BUCKETS
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .evaluate import load_questions
@@ -86,14 +85,14 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
 
 def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None) with KV room for `batch_size` of `prompts`
-    and `max_new_tokens` each, its CUDA graphs captured for every batch bucket up to `batch_size`."""
+    and `max_new_tokens` each, warmed up (`Engine.warm_up`: its CUDA graphs captured for every batch bucket up to
+    `batch_size`)."""
     block_size = 16
     longest = max(len(p) for p in prompts) + max_new_tokens + 128  # + the largest tree's scratch
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
                           block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
     engine = Engine(target, head if shape else None, config)
-    for bucket in [b for b in BATCH_BUCKETS if b < batch_size] + [batch_size]:
-        engine.generate(prompts[:bucket], SamplingParams(temperature=0), 4)
+    engine.warm_up(new_tokens=4)
     return engine
 
 
