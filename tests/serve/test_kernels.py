@@ -1,5 +1,5 @@
 """The fused kernels (serve/kernels.py) match the torch reference (common/layers.py), and installed on a model they
-replace every layer's elementwise work.
+replace every layer's elementwise work and its one-token projections.
 
 Each `check_*` body runs in two places: on CUDA at the real shapes (`gpu` marker; Llama-3.1-8B: hidden 4096,
 Hq 32 / Hkv 8, D 128; SmolLM2-135M: hidden 576, Hq 9 / Hkv 3, D 64; 1 to 4096 rows) and on CPU under Triton's
@@ -10,7 +10,8 @@ are an ulp off wherever torch rounds up; bf16 runs on CUDA.
 Tolerance (atol = rtol), against the torch code in the same dtypes on the same device: 1e-5 for fp32 (fp32
 reduction order, fast rsqrt and exp), 2e-3 for fp16 and 1e-2 for bf16. The kernels round wherever the reference
 does, so what is left in half precision is one ulp (2^-11, 2^-8 relative) where an fp32 intermediate lands on
-the other side of a rounding boundary. The residual sum is compared exactly.
+the other side of a rounding boundary. The one-token linear is the exception (it folds the norm out of its sum):
+`check_fused_linear` says how its tolerance follows.
 """
 
 import dataclasses
@@ -229,7 +230,8 @@ def test_rms_norm_cuda_strided_and_mixed_dtypes(dtype):
     check_rms_norm("cuda", dtype, 300, 576, False, torch.float32)
 
 
-# Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v; one row (the Triton kernel) and 48 (composed).
+# Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel) and 48
+# (composed).
 LINEAR_CUDA = [(1, 6144, 4096, True, False, False, False), (1, 4096, 4096, False, False, False, True),
                (1, 28672, 4096, True, True, False, False), (1, 4096, 14336, False, False, False, True),
                (1, 128256, 4096, False, False, False, False), (1, 960, 576, True, False, True, False),
