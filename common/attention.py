@@ -21,6 +21,13 @@ class AttentionMetadata:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def attend_rotary(self, layer: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                      rotary) -> Tensor:
+        """`attend` on q and k rotated by `rotary(q, k, cos, sin)` (the layer's `Kernels.rotary`). A backend that
+        stores k/v in a cache may rotate and store in one kernel instead."""
+        q, k = rotary(q, k, cos, sin)
+        return self.attend(layer, q, k, v)
+
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
     """Scaled dot-product attention on [B, T, H, D] layouts; `mask` [B, T, S] bool (True = may attend)."""

@@ -169,8 +169,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.rotary(q, k, cos, sin)
-        out = attn.attend(layer, q, k, v)  # [B, T, Hq, D]
+        out = attn.attend_rotary(layer, q, k, v, cos, sin, self.kernels.rotary)  # [B, T, Hq, D]
         return self.kernels.linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, residual=residual)
 
 

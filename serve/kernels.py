@@ -1,4 +1,5 @@
-"""Fused Triton kernels for inference: RMSNorm, rotary on q and k, SiLU·mul, a one-token linear layer with the
+"""Fused Triton kernels for inference: RMSNorm, rotary on q and k (with the paged cache's store of k and v in the
+same launch, `rotary_store`, which the Triton backend calls), SiLU·mul, a one-token linear layer with the
 RMSNorm before it and SiLU·mul or the residual add after it fused in; and for speculation, the draft's top-k
 log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk
 down the tree.
@@ -77,6 +78,24 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
 
     One program per token rotates all its q and k heads. -> new contiguous (q, k) in the reference's dtypes.
     """
+    q_out, k_out = _rotary_launch(q, k, cos, sin)
+    return q_out, k_out
+
+
+def rotary_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor,
+                 v_cache: Tensor) -> Tensor:
+    """`rotary` and the paged cache's store in one launch: rotated q -> a new contiguous [B, T, Hq, D]; rotated k
+    and v go straight to k_cache[slots] and v_cache[slots] (caches [num_slots, Hkv, D] contiguous, slots [B, T])."""
+    B, T, Hkv, D = k.shape
+    assert v.shape == k.shape and slots.shape == (B, T) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == torch.promote_types(k.dtype, cos.dtype) and v_cache.dtype == v.dtype
+    v = v if v.stride(3) == 1 and v.stride(2) == D else v.contiguous()
+    q_out, _ = _rotary_launch(q, k, cos, sin, (v, slots.contiguous(), k_cache, v_cache))
+    return q_out
+
+
+def _rotary_launch(q, k, cos, sin, store=None):
+    """store: (v, slots, k_cache, v_cache), or None for a new contiguous k."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     assert k.shape == (B, T, Hkv, D) and D % 2 == 0 and cos.dtype == sin.dtype
@@ -84,20 +103,28 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
     cos, sin = (x.expand(B, T, D) for x in (cos, sin))
     cos, sin = (x if x.stride(2) == 1 else x.contiguous() for x in (cos, sin))
     q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
-    k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, cos.dtype), device=k.device)
+    if store is None:
+        k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, cos.dtype), device=k.device)
+        v, slots, v_cache = k, q_out, k_out  # placeholders, never read or written
+    else:
+        v, slots, k_out, v_cache = store
     _rotary_kernel[(B * T,)](
-        q, k, cos, sin, q_out, k_out, T, *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
-        Hq, Hkv, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
-        BLOCK_HALF=triton.next_power_of_2(D // 2),
+        q, k, v, cos, sin, slots, q_out, k_out, v_cache, T, *q.stride()[:3], *k.stride()[:3], *v.stride()[:2],
+        *cos.stride()[:2], *sin.stride()[:2], slots.stride(0), Hq, Hkv, STORE=store is not None, HALF=D // 2,
+        BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
+        BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_ROW=triton.next_power_of_2(Hkv * D),
     )
     return q_out, k_out
 
 
 @jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, T,
-                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cb, stride_ct,
-                   stride_sb, stride_st, HQ, HKV, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_out_ptr, v_cache_ptr, T,
+                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                   stride_cb, stride_ct, stride_sb, stride_st, stride_slots, HQ, HKV, STORE: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   BLOCK_ROW: tl.constexpr):
+    """One token. k's rotated heads go to row `token` of k_out, or with STORE to row slots[b, t] of the cache (the
+    same [Hkv, D] layout), and v's row to that row of v_cache."""
     token = tl.program_id(0).to(tl.int64)
     b, t = token // T, token % T
     d = tl.arange(0, BLOCK_HALF)
@@ -109,7 +136,14 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, T,
     s1, s2 = tl.load(s, mask=d_ok).to(tl.float32), tl.load(s + HALF, mask=d_ok).to(tl.float32)
     _rotate_heads(q_ptr + b * stride_qb + t * stride_qt, stride_qh, q_out_ptr + token * HQ * 2 * HALF, HQ,
                   c1, c2, s1, s2, d, d_ok, HALF, BLOCK_HQ)
-    _rotate_heads(k_ptr + b * stride_kb + t * stride_kt, stride_kh, k_out_ptr + token * HKV * 2 * HALF, HKV,
+    row = token
+    if STORE:
+        row = tl.load(slots_ptr + b * stride_slots + t).to(tl.int64)
+        i = tl.arange(0, BLOCK_ROW)
+        ok = i < HKV * 2 * HALF
+        v = tl.load(v_ptr + b * stride_vb + t * stride_vt + i, mask=ok)
+        tl.store(v_cache_ptr + row * HKV * 2 * HALF + i, v, mask=ok)
+    _rotate_heads(k_ptr + b * stride_kb + t * stride_kt, stride_kh, k_out_ptr + row * HKV * 2 * HALF, HKV,
                   c1, c2, s1, s2, d, d_ok, HALF, BLOCK_HKV)
 
 

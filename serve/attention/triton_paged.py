@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import kernels
 from .paged import PagedAttention
 
 # Running-max start: finite, so a row that has seen no key yet updates as exp2(-inf - m) = 0 without NaN.
@@ -61,6 +62,18 @@ class TritonPagedAttention(PagedAttention):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.write(layer, k, v)
+        return self._attend_cached(q, k_cache, v_cache)
+
+    def attend_rotary(self, layer: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                      rotary) -> Tensor:
+        """With the fused rotary installed, one kernel rotates q and k and stores k and v in the cache."""
+        if rotary is not kernels.rotary:
+            return super().attend_rotary(layer, q, k, v, cos, sin, rotary)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        q = kernels.rotary_store(q, k, v, cos, sin, self.new_slots, k_cache, v_cache)
+        return self._attend_cached(q, k_cache, v_cache)
+
+    def _attend_cached(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return paged_attention(q, k_cache, v_cache, self.block_table, self.prefix_lens, self.window_mask,
                                self.pool.block_size, self.num_splits)
 

@@ -97,6 +97,26 @@ def check_rotary(device, dtype, B, T, Hq, Hkv, D, strided=False, impl=kernels.ro
     assert_matches(k_out, apply_rotary(k, cos, sin), dtype)
 
 
+def check_rotary_store(device, dtype, B, T, Hq, Hkv, D, impl=kernels.rotary_store):
+    """q, k, v: views of one joint [B, T, (Hq + 2 Hkv) D] projection output, as served; rotated q returned, rotated k
+    and v written to random cache rows (the rest of the caches untouched, v copied exactly)."""
+    qkv = randn(B, T, (Hq + 2 * Hkv) * D, dtype=dtype, device=device, seed=0)
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+    positions = torch.randint(0, 100_000, (B, T), generator=torch.Generator().manual_seed(2))
+    cos, sin = Rotary(RopeConfig(theta=500000.0), D).to(device)(positions.to(device), dtype)
+    slots = torch.randperm(3 * B * T, generator=torch.Generator().manual_seed(3))[: B * T].view(B, T).to(device)
+    k_cache, v_cache = (randn(3 * B * T, Hkv, D, dtype=dtype, device=device, seed=s) for s in (4, 5))
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_out = impl(q, k, v, cos, sin, slots, k_cache, v_cache)
+    assert_matches(q_out, apply_rotary(q, cos, sin), dtype)
+    assert_matches(k_cache[slots], apply_rotary(k, cos, sin), dtype)
+    assert torch.equal(v_cache[slots], v)
+    others = torch.ones(k_cache.shape[0], dtype=torch.bool, device=device)
+    others[slots.flatten()] = False
+    assert torch.equal(k_cache[others], k_before[others]) and torch.equal(v_cache[others], v_before[others])
+
+
 def check_silu_mul(device, dtype, shape, impl=kernels.silu_mul, joint=False):
     """joint: gate and up are the halves of one [..., 2N] tensor (a joint gate/up projection's output), rows strided."""
     gate = randn(*shape, dtype=dtype, device=device, seed=0, scale=4.0)  # well into both tails of SiLU
@@ -262,6 +282,14 @@ def test_rotary_cuda(dtype, Hq, Hkv, D, B, T, strided):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B, T", [(1, 1), (64, 1), (1, 48), (4, 300)])
+@pytest.mark.parametrize("Hq, Hkv, D", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_rotary_store_cuda(dtype, Hq, Hkv, D, B, T):
+    check_rotary_store("cuda", dtype, B, T, Hq, Hkv, D)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1, 14336), (4, 300, 14336), (64, 1, 1536), (1, 4096, 1536)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 @pytest.mark.parametrize("joint", [False, True], ids=["separate", "joint"])
@@ -365,6 +393,13 @@ def test_rotary_interpreter(interpreter, dtype, case):
     interpreter(check_rotary, "cpu", dtype, *case)
 
 
+@pytest.mark.parametrize("case", [(1, 1, 9, 3, 64), (2, 5, 4, 2, 128), (3, 2, 3, 1, 80)], ids=lambda c:
+                         "B{}-T{}-Hq{}-Hkv{}-D{}".format(*c))
+@pytest.mark.parametrize("dtype", HALVES, ids=_id)
+def test_rotary_store_interpreter(interpreter, dtype, case):
+    interpreter(check_rotary_store, "cpu", dtype, *case)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 3, 700)], ids=str)
 @pytest.mark.parametrize("dtype", HALVES, ids=_id)
 @pytest.mark.parametrize("joint", [False, True], ids=["separate", "joint"])
@@ -413,6 +448,12 @@ def _rotary_sin_negated(q, k, cos, sin):
     return kernels.rotary(q, k, cos, -sin)
 
 
+def _store_k_unrotated(q, k, v, cos, sin, slots, k_cache, v_cache):
+    q_out = kernels.rotary_store(q, k, v, cos, sin, slots, k_cache, v_cache)
+    k_cache[slots] = k
+    return q_out
+
+
 def _silu_of_up(gate, up):
     return kernels.silu_mul(up, gate)
 
@@ -441,13 +482,14 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, _linear_norm_unweighted)),
     (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, _linear_silu_of_up)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
+    (check_rotary_store, ("cpu", torch.float32, 2, 5, 4, 2, 128, _store_k_unrotated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
     (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
 ], ids=["norm-without-eps", "linear-norm-unweighted", "linear-silu-of-up",
-        "rotary-sin-negated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
+        "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
         "frontier-forgets-ancestors", "tree-walk-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""

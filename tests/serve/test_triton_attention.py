@@ -9,6 +9,7 @@ Views, reference and tolerances: `paged_views.py` (bf16 1e-2: the kernel rounds 
 the PV product and the output once, a few bf16 ulps, 2^-8 relative each; fp16 2e-3, for the interpreter; fp32 1e-4).
 """
 
+import copy
 import functools
 from dataclasses import replace
 
@@ -84,6 +85,45 @@ def test_check_catches_a_wrong_kernel(interpreter):
     window one position early) is caught."""
     with pytest.raises(AssertionError, match="elements off"):
         interpreter(_check_short_prefix, CPU_CASES[0])
+
+
+def check_rotary_fused(case: Case, device: str, rotary=None):
+    """With the fused rotary installed, `attend_rotary` rotates and stores in one kernel: its output and cache equal
+    those of the torch rotary followed by `attend` (`rotary`: the kernel to compare, default the fused one)."""
+    from eyas.common.layers import Kernels
+    from eyas.serve import kernels
+
+    pool, block_table, prefix_lens, window_mask, q, k, v = make_view(case, device)
+    B, T, _, D = q.shape
+    angles = torch.rand(B, T, D, generator=torch.Generator().manual_seed(7)).to(device) * 6.3
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    results = []
+    for impl in (Kernels().rotary, rotary or kernels.rotary):
+        view = triton_paged.TritonPagedAttention(copy.deepcopy(pool), block_table, prefix_lens, window_mask,
+                                                 num_splits=case.num_splits)
+        results.append((view.attend_rotary(LAYER, q, k, v, cos, sin, impl), view.pool))
+    (ref, ref_pool), (out, out_pool) = results
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out_pool.k[LAYER], ref_pool.k[LAYER], atol=tol, rtol=tol)
+    assert torch.equal(out_pool.v[LAYER], ref_pool.v[LAYER])
+
+
+@pytest.mark.parametrize("case", CPU_CASES[:4], ids=case_id)
+def test_rotary_fused_with_store_in_interpreter(interpreter, case):
+    interpreter(check_rotary_fused, case, "cpu")
+
+
+def test_rotary_check_catches_a_wrong_kernel(interpreter):
+    """The comparison can fail: a rotary turning the wrong way is caught."""
+    with pytest.raises(AssertionError):
+        interpreter(check_rotary_fused, CPU_CASES[0], "cpu", _rotated_backwards)
+
+
+def _rotated_backwards(q, k, cos, sin):
+    from eyas.serve import kernels
+
+    return kernels.rotary(q, k, cos, -sin)
 
 
 def _check_short_prefix(case: Case):
