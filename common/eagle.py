@@ -76,9 +76,11 @@ class EagleLayer(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size)
         self.index = index
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
-        x = self.self_attn(x, cos, sin, attn, self.index, norm=self.input_layernorm, residual=x)
-        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionMetadata
+                ) -> tuple[Tensor, Tensor]:
+        """The residual stream as a pair, as in the target's `DecoderLayer`."""
+        x, residual = self.self_attn(x, cos, sin, attn, self.index, norm=self.input_layernorm, residual=residual)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=residual)
 
 
 class EagleHead(nn.Module):
@@ -121,11 +123,11 @@ class EagleHead(nn.Module):
              attn: AttentionMetadata) -> Tensor:
         """embeds, features [B, T, H]; positions [B, T] (or their `rotary` tables) -> output [B, T, H], the next
         step's features."""
-        x = self.fc(torch.cat([embeds, features], dim=-1))
+        x, residual = self.fc(torch.cat([embeds, features], dim=-1)), None
         cos, sin = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return x
+            x, residual = layer(x, residual, cos, sin, attn)
+        return x + residual
 
     def logits(self, out: Tensor) -> Tensor:
         """out [B, T, H] -> logits over the draft vocabulary [B, T, draft_vocab]."""

@@ -144,8 +144,9 @@ class Eagle3Layer(nn.Module):
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         residual = normed if self.norm_before_residual else hidden
-        r = self.self_attn(x, cos, sin, attn, 0, residual=residual)
-        return self.mlp(r, norm=self.post_attention_layernorm, residual=r)
+        a, _ = self.self_attn(x, cos, sin, attn, 0)
+        h, r = self.mlp(a, norm=self.post_attention_layernorm, residual=residual)  # r = residual + a
+        return r + h
 
 
 class Eagle3Head(nn.Module):

@@ -18,12 +18,16 @@ from .attention import AttentionMetadata
 from .config import RopeConfig
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [..., dim] -> norm(x)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """x [..., dim] -> norm(x). With `residual` (x's shape) -> (norm(s), s) for the residual stream s = x + residual
+    (vLLM's pairs: a sublayer's output travels beside the stream, and the next norm adds them)."""
+    if residual is not None:
+        x = x + residual
     # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = weight * x32.to(x.dtype)
+    return normed if residual is None else (normed, x)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -37,18 +41,18 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
-                 silu_mul_output: bool = False, residual: Tensor | None = None) -> Tensor:
-    """residual + epilogue(linear(norm(x))): what a layer does around a projection, one kernel where fused (at one
-    token, `eyas.serve.kernels.fused_linear`). `norm`: an RMSNorm's (weight, eps); `silu_mul_output`: SiLU·mul of the
-    output's two halves (a joint gate/up projection). x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with
-    silu_mul_output)."""
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    y = F.linear(x, weight, bias)
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
+                 norm: tuple[Tensor, float] | None = None, silu_mul_output: bool = False):
+    """epilogue(linear(norm(x + residual))): a sublayer's input projection with what comes before and after it, one
+    kernel where fused (at one token, `eyas.serve.kernels.fused_linear`). `residual`: the residual stream to add
+    first, which makes the result the pair (y, x + residual); `norm`: an RMSNorm's (weight, eps);
+    `silu_mul_output`: SiLU·mul of the output's two halves (a joint gate/up projection). x [..., K], weight [N, K]
+    -> y [..., N] ([..., N / 2] with silu_mul_output)."""
+    stream = x if residual is None else x + residual
+    y = F.linear(stream if norm is None else rms_norm(stream, *norm), weight, bias)
     if silu_mul_output:
         y = silu_mul(*y.chunk(2, dim=-1))
-    return y if residual is None else residual + y
+    return y if residual is None else (y, stream)
 
 
 @dataclass(frozen=True)
@@ -70,14 +74,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [..., dim] -> norm(x)."""
-        return self.kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """x [..., dim] -> norm(x); with `residual`, the pair (norm(x + residual), x + residual) (`rms_norm`)."""
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
-    @property
-    def prologue(self) -> dict:
-        """This norm as a linear layer's prologue: `Kernels.linear(x, w, **norm.prologue)` = linear(norm(x))."""
-        return {"norm": (self.weight, self.eps)}
+
+def sublayer_input(x: Tensor, norm: RMSNorm | None, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(norm(s), s) for the residual stream s = x + residual entering a sublayer: x alone where residual is None
+    (the first layer), s itself where norm is None."""
+    if residual is not None and norm is not None:
+        return norm(x, residual)
+    stream = x if residual is None else x + residual
+    return (stream if norm is None else norm(stream)), stream
+
+
+def project_input(kernels: Kernels, x: Tensor, proj: nn.Linear, norm: RMSNorm | None, residual: Tensor | None,
+                  **epilogue) -> tuple[Tensor, Tensor]:
+    """`sublayer_input` and the sublayer's joint input projection in one `Kernels.linear`: (epilogue(proj(norm(s))),
+    s)."""
+    prologue = {} if norm is None else {"norm": (norm.weight, norm.eps)}
+    if residual is None:
+        return kernels.linear(x, proj.weight, proj.bias, **prologue, **epilogue), x
+    return kernels.linear(x, proj.weight, proj.bias, residual=residual, **prologue, **epilogue)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> Tensor:
@@ -153,16 +171,17 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int, *,
-                norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
-        """x [B, T, in_features] -> residual + attention(norm(x)) [B, T, hidden]: the norm before and the residual add
-        after go into the projections' kernels (`Kernels.linear`)."""
+                norm: RMSNorm | None = None, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [B, T, in_features] -> (attention(norm(s)) [B, T, hidden], s) for the residual stream s = x + residual
+        (`sublayer_input`). The add and the norm go into the q/k/v projection's kernel (`Kernels.linear`); the
+        caller adds the output to s in the next one."""
         B, T, _ = x.shape
         if self.qkv_proj is not None:
+            qkv, stream = project_input(self.kernels, x, self.qkv_proj, norm, residual)
             kv = self.num_kv_heads * self.head_dim
-            qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, **(norm.prologue if norm else {}))
             q, k, v = qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         else:
-            x = norm(x) if norm is not None else x
+            x, stream = sublayer_input(x, norm, residual)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -170,7 +189,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = attn.attend_rotary(layer, q, k, v, cos, sin, self.kernels.rotary)  # [B, T, Hq, D]
-        return self.kernels.linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, residual=residual)
+        return self.kernels.linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias), stream
 
 
 class MLP(nn.Module):
@@ -183,16 +202,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections`
 
-    def forward(self, x: Tensor, *, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
-        """x [..., hidden] -> residual + mlp(norm(x)), the norm and the add fused as in `Attention.forward`."""
-        down = self.down_proj
+    def forward(self, x: Tensor, *, norm: RMSNorm | None = None, residual: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """x [..., hidden] -> (mlp(norm(s)), s) for the residual stream s = x + residual, as `Attention.forward`."""
         if self.gate_up_proj is not None:
-            h = self.kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_mul_output=True,
-                                    **(norm.prologue if norm else {}))
+            h, stream = project_input(self.kernels, x, self.gate_up_proj, norm, residual, silu_mul_output=True)
         else:
-            x = norm(x) if norm is not None else x
+            x, stream = sublayer_input(x, norm, residual)
             h = self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return self.kernels.linear(h, down.weight, down.bias, residual=residual)
+        return self.kernels.linear(h, self.down_proj.weight, self.down_proj.bias), stream
 
 
 KERNEL_USERS = (RMSNorm, Attention, MLP)  # the modules whose `kernels` the server replaces

@@ -43,9 +43,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
-        x = self.self_attn(x, cos, sin, attn, layer, norm=self.input_layernorm, residual=x)
-        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
+                layer: int) -> tuple[Tensor, Tensor]:
+        """The residual stream enters as the pair (x, residual), whose sum it is (x alone in the first layer), and
+        leaves as one: each sublayer adds the pair in its first kernel (`Attention.forward`)."""
+        x, residual = self.self_attn(x, cos, sin, attn, layer, norm=self.input_layernorm, residual=residual)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=residual)
 
 
 class DecoderStack(nn.Module):
@@ -90,16 +93,16 @@ class TargetModel(nn.Module):
     ) -> TargetOutput:
         """input_ids, positions [B, T]. `aux_layers`: capture the residual stream entering these layers
         (index L, the layer count, captures the final pre-norm stream)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                captured[i] = x
-            x = layer(x, cos, sin, attn, i)
-        captured[len(self.model.layers)] = x
+                captured[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, cos, sin, attn, i)
+        hidden, captured[len(self.model.layers)] = self.model.norm(x, residual)
         aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return TargetOutput(hidden=self.model.norm(x), aux=aux)
+        return TargetOutput(hidden=hidden, aux=aux)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (normed) -> logits [..., vocab]."""

@@ -1,6 +1,6 @@
 """Fused Triton kernels for inference: RMSNorm, rotary on q and k (with the paged cache's store of k and v in the
 same launch, `rotary_store`, which the Triton backend calls), SiLU·mul, a one-token linear layer with the
-RMSNorm before it and SiLU·mul or the residual add after it fused in; and for speculation, the draft's top-k
+residual add and RMSNorm before it and SiLU·mul after it fused in; and for speculation, the draft's top-k
 log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk
 down the tree.
 
@@ -47,24 +47,39 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] -> a new contiguous [..., N] in
-    the reference's dtype (weight's and input's promoted)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] -> norm(x) [..., N]. With
+    `residual` (x's shape): the pair (norm(s), s) for s = x + residual, rounded to their dtype as the reference's
+    add. Outputs are new contiguous tensors; the norm's dtype is the reference's (weight's and input's promoted)."""
     n = x.shape[-1]
     rows = _rows(x)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is None:
+        res, stream = rows, None  # placeholders: without a residual the kernel neither reads res nor writes a sum
+    else:
+        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} for x {tuple(x.shape)}"
+        res = _rows(residual)
+        stream = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    in_dtype = x.dtype if stream is None else stream.dtype
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, in_dtype), device=x.device)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, rows.stride(0), n, eps, BLOCK=block,
-                                       num_warps=min(max(block // 512, 1), 16))
-    return out
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, res, weight.contiguous(), out, out if stream is None else stream, rows.stride(0), res.stride(0), n,
+        eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+    )
+    return out if stream is None else (out, stream)
 
 
 @jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stream_ptr, stride_x, stride_res, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(stream_ptr.dtype.element_ty)
+        tl.store(stream_ptr + row * N + cols, x, mask=ok)
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
     normed = (x32 * rstd).to(x.dtype)  # the reference casts back to the input dtype before the weight
@@ -188,38 +203,45 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK
     tl.store(out_ptr + row * n + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
-                 silu_mul_output: bool = False, residual: Tensor | None = None) -> Tensor:
-    """`eyas.common.layers.fused_linear`: residual + epilogue(linear(norm(x))), the RMSNorm with `norm` = (weight,
-    eps), the epilogue SiLU·mul of the output's two halves with `silu_mul_output`. x [..., K], weight [N, K] ->
-    [..., N] ([..., N / 2] with silu_mul_output)."""
-    if x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous():
-        return _composed(x, weight, bias, norm, silu_mul_output, residual)
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
+                 norm: tuple[Tensor, float] | None = None, silu_mul_output: bool = False):
+    """`eyas.common.layers.fused_linear`: epilogue(linear(norm(x + residual))), and with `residual` the pair (y,
+    x + residual); the RMSNorm with `norm` = (weight, eps), the epilogue SiLU·mul of the output's two halves with
+    `silu_mul_output`. x [..., K], weight [N, K] -> y [..., N] ([..., N / 2] with silu_mul_output)."""
+    if (x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous()
+            or (residual is not None and residual.dtype != x.dtype)):
+        return _composed(x, weight, bias, residual, norm, silu_mul_output)
     x = x.contiguous()
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
+    assert residual is None or residual.shape == x.shape, f"residual {tuple(residual.shape)} for x {tuple(x.shape)}"
     N_out = N // 2 if silu_mul_output else N
-    assert residual is None or residual.numel() == N_out, f"residual of {residual.numel()} for {N_out} outputs"
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
+    stream = None if residual is None else torch.empty_like(x)
     block_n, block_k, num_warps = launch_config(N, K)
     block_n //= 2 if silu_mul_output else 1  # a program's outputs: it reads a gate row and an up row for each
     _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
-        x, weight, bias if bias is not None else weight, norm[0] if norm else weight,
-        residual.contiguous() if residual is not None else out, out, N_out, K, norm[1] if norm else 0.0,
-        HAS_NORM=norm is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_output,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        x, residual.contiguous() if residual is not None else x, stream if stream is not None else x, weight,
+        bias if bias is not None else weight, norm[0] if norm else weight, out, N_out, K, norm[1] if norm else 0.0,
+        HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
-    return out
+    return out if stream is None else (out, stream)
 
 
-def _composed(x, weight, bias, norm, silu_mul_output, residual):
-    """More than one row, where the matmul is cuBLAS's: the fused RMSNorm before it and SiLU·mul after it. (cuBLAS
-    adding the residual, `addmm`, costs a copy of it first: more than the add.)"""
-    if norm is not None:
-        x = rms_norm(x, norm[0], norm[1])
-    y = torch.nn.functional.linear(x, weight, bias)
+def _composed(x, weight, bias, residual, norm, silu_mul_output):
+    """More than one row, where the matmul is cuBLAS's: the add and the RMSNorm before it in one kernel, SiLU·mul
+    after it in another."""
+    if norm is None:
+        stream = x if residual is None else x + residual
+        normed = stream
+    elif residual is None:
+        stream, normed = x, rms_norm(x, *norm)
+    else:
+        normed, stream = rms_norm(x, *norm, residual)
+    y = torch.nn.functional.linear(normed, weight, bias)
     y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
-    return y if residual is None else residual + y
+    return y if residual is None else (y, stream)
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:
@@ -230,17 +252,21 @@ def launch_config(N: int, K: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr, N, K, eps, HAS_NORM: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr, out_ptr, N, K, eps,
+                         HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One row x [K] against BLOCK_N rows of w [N, K] (with SILU_MUL, w is [2N, K]: gate rows, then up rows, and the
     program reads BLOCK_N of each): products summed over K at the end ([BLOCK_N, BLOCK_K] fp32 partial sums, so
     each load's reduction does not wait on the last).
 
-    The norm is folded out of the sum: y = rstd * sum(w * x * norm_w), its mean square gathered in the same loop, so
-    the weight loads start at once. (The reference rounds the normed input to the input dtype twice; this rounds
-    nothing before the sum, a difference below the output's own rounding.)"""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    With HAS_RESIDUAL the input is the stream x + res [K], rounded as the reference's add: every program forms it
+    (the row is small and cached), and the first programs write it out at their end. (A store inside the loop cost
+    q/k/v 3 µs at the 8B shape, docs/perf.md.) The norm is folded out of the sum: y = rstd *
+    sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
+    reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
+    below the output's own rounding.)"""
+    program = tl.program_id(0)
+    n = program * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
     k = tl.arange(0, BLOCK_K)
@@ -256,6 +282,8 @@ def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr, N
         if SILU_MUL:
             w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
         a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        if HAS_RESIDUAL:
+            a = (a + tl.load(res_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         if HAS_NORM:
             squares += a * a
             a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -277,10 +305,14 @@ def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr, N
         gate = y.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = silu * up.to(dtype).to(tl.float32)
-    y = y.to(dtype)
-    if HAS_RESIDUAL:
-        y = (y.to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + n, y, mask=n_ok)
+    tl.store(out_ptr + n, y.to(dtype), mask=n_ok)
+    if HAS_RESIDUAL:  # the stream, BLOCK_K at a time over the first programs, after their own outputs
+        for start in range(program * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
+            kk = start + k
+            k_ok = kk < K
+            s = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32) + tl.load(res_ptr + kk, mask=k_ok,
+                                                                                     other=0.0).to(tl.float32)
+            tl.store(stream_ptr + kk, s.to(dtype), mask=k_ok)
 
 
 TOP_CHUNK = 2048  # vocabulary entries per program of `top_log_probs`' first kernel

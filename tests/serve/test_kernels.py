@@ -49,35 +49,46 @@ def randn(*shape, dtype, device, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype=dtype, device=device)
 
 
-def check_rms_norm(device, dtype, rows, n, sliced=False, weight_dtype=None, impl=kernels.rms_norm):
+def check_rms_norm(device, dtype, rows, n, sliced=False, weight_dtype=None, residual=False, impl=kernels.rms_norm):
     """x [rows, n] whose row scales span 1e-3..10 (eps matters in the smallest); `sliced`: x is a view with a row
-    stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one)."""
+    stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one); `residual`: the pair
+    (norm(x + residual), x + residual), the sum exactly the reference's."""
     scale = torch.logspace(-3, 1, rows)[:, None]
     x = randn(rows, 2 * n if sliced else n, dtype=dtype, device=device, seed=0, scale=scale)[:, :n]
     norm = RMSNorm(n, EPS).to(device=device, dtype=weight_dtype or dtype)
+    res = randn(rows, n, dtype=dtype, device=device, seed=1, scale=scale) if residual else None
     with torch.no_grad():
         norm.weight.copy_(randn(n, dtype=norm.weight.dtype, device=device, seed=2, scale=0.1) + 1)
-        assert_matches(impl(x, norm.weight, EPS), norm(x), dtype)  # vs the torch kernel, the layers' default
+        out, ref = impl(x, norm.weight, EPS, res), norm(x, res)  # vs the torch kernel, the layers' default
+    if residual:
+        (out, stream), (ref, ref_stream) = out, ref
+        assert stream.dtype == ref_stream.dtype and torch.equal(stream, ref_stream)
+    assert_matches(out, ref, dtype)
 
 
 def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residual=False, impl=kernels.fused_linear):
-    """residual + epilogue(linear(norm(x))) for x [rows, K] (row scales 1e-3..10 with `norm`) and weight [N, K]
-    scaled to keep outputs near 1; `silu`: SiLU·mul of the output's halves; vs the torch reference."""
+    """epilogue(linear(norm(x + residual))) for x [rows, K] (row scales 1e-3..10 with `norm`) and weight [N, K]
+    scaled to keep outputs near 1; `silu`: SiLU·mul of the output's halves; `residual`: also the stream x + residual
+    returned, exactly the reference's; vs the torch reference."""
     scale = torch.logspace(-3, 1, rows)[:, None] if norm else 4.0
     x = randn(rows, K, dtype=dtype, device=device, seed=0, scale=scale)
     weight = randn(N, K, dtype=dtype, device=device, seed=1, scale=K ** -0.5 * (4 if silu else 1))  # SiLU's tails
     extra = dict(
         bias=randn(N, dtype=dtype, device=device, seed=2) if bias else None,
+        residual=randn(rows, K, dtype=dtype, device=device, seed=4, scale=scale) if residual else None,
         norm=(randn(K, dtype=dtype, device=device, seed=3, scale=0.1) + 1, EPS) if norm else None,
         silu_mul_output=silu,
-        residual=randn(rows, N // 2 if silu else N, dtype=dtype, device=device, seed=4) if residual else None,
     )
     out, ref = impl(x, weight, **extra), fused_linear(x, weight, **extra)
+    stream = x
+    if residual:
+        (out, out_stream), (ref, stream) = out, ref
+        assert out_stream.dtype == stream.dtype and torch.equal(out_stream, stream)
     # Absolute tolerance on the scale of the largest output: the kernel folds the norm out of the sum (the reference
     # rounds the normed input), so a projection output may land one ulp away, which SiLU·mul scales by the other
     # half. Plus fp32 rounding of the largest sum of |products| (about 240 at K = 14336, past 1e-5 in fp32): the
     # sum's order differs from cuBLAS's.
-    a = rms_norm(x, *extra["norm"]) if norm else x
+    a = rms_norm(stream, *extra["norm"]) if norm else stream
     bound = (a.float().abs() @ weight.float().abs().T).max().item()
     tol = TOLERANCE[dtype]
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -217,8 +228,8 @@ def check_model(path, device, dtype, rel_tol, B, T, joint=False):
         kernels.install(model, Kernels(**{name: counted(name) for name in calls}))
         out = forward()
     L, qk_norms = cfg.num_hidden_layers, 2 if cfg.qk_norm else 0
-    # Per layer, joint: Qwen3's q and k norms, four linears (the other norms and SiLU·mul inside them). Separate: the
-    # two norms, SiLU·mul, the o and down linears (with the residual adds). And the final norm.
+    # Per layer, joint: Qwen3's q and k norms, four linears (the other norms, the residual adds and SiLU·mul inside
+    # them). Separate: the two norms (with the residual adds), SiLU·mul, the o and down linears. And the final norm.
     expected = dict(rms_norm=qk_norms * L + 1, rotary=L, silu_mul=0, linear=4 * L) if joint else dict(
         rms_norm=(qk_norms + 2) * L + 1, rotary=L, silu_mul=L, linear=2 * L)
     assert calls == expected
@@ -245,18 +256,20 @@ def test_rms_norm_cuda(dtype, rows, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_rms_norm_cuda_strided_and_mixed_dtypes(dtype):
+def test_rms_norm_cuda_strided_mixed_dtypes_and_residual(dtype):
     check_rms_norm("cuda", dtype, 300, 4096, True)
     check_rms_norm("cuda", dtype, 300, 576, False, torch.float32)
+    check_rms_norm("cuda", dtype, 1, 4096, False, None, True)
+    check_rms_norm("cuda", dtype, 300, 576, True, None, True)
 
 
 # Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel) and 48
-# (composed).
-LINEAR_CUDA = [(1, 6144, 4096, True, False, False, False), (1, 4096, 4096, False, False, False, True),
-               (1, 28672, 4096, True, True, False, False), (1, 4096, 14336, False, False, False, True),
-               (1, 128256, 4096, False, False, False, False), (1, 960, 576, True, False, True, False),
-               (1, 3072, 576, True, True, True, False), (48, 6144, 4096, True, False, False, False),
-               (48, 28672, 4096, True, True, False, False), (48, 4096, 4096, False, False, True, True),
+# (composed). The residual stream is added before the q/k/v and gate/up projections.
+LINEAR_CUDA = [(1, 6144, 4096, True, False, False, True), (1, 4096, 4096, False, False, False, False),
+               (1, 28672, 4096, True, True, False, True), (1, 4096, 14336, False, False, False, False),
+               (1, 128256, 4096, False, False, False, False), (1, 960, 576, True, False, True, True),
+               (1, 3072, 576, True, True, True, False), (48, 6144, 4096, True, False, False, True),
+               (48, 28672, 4096, True, True, False, True), (48, 4096, 4096, False, False, True, False),
                (48, 4096, 14336, False, False, False, True)]  # rows, N, K, norm, silu, bias, residual
 
 
@@ -362,20 +375,22 @@ def interpreter():
 
 
 HALVES = [torch.float32, torch.float16]
-RMS_CPU = [(1, 576, False, None), (7, 96, False, None), (33, 128, True, None), (5, 64, True, torch.float32)]
-# rows, n, sliced, weight_dtype
+RMS_CPU = [(1, 576, False, None, False), (7, 96, False, None, True), (33, 128, True, None, True),
+           (5, 64, True, torch.float32, False)]  # rows, n, sliced, weight_dtype, residual
 
 
 @pytest.mark.parametrize("case", RMS_CPU,
-                         ids=lambda c: f"r{c[0]}-n{c[1]}{'-sliced' * c[2]}{'-w32' * (c[3] is not None)}")
+                         ids=lambda c: f"r{c[0]}-n{c[1]}{'-sliced' * c[2]}{'-w32' * (c[3] is not None)}"
+                         f"{'-res' * c[4]}")
 @pytest.mark.parametrize("dtype", HALVES, ids=_id)
 def test_rms_norm_interpreter(interpreter, dtype, case):
     interpreter(check_rms_norm, "cpu", dtype, *case)
 
 
 LINEAR_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
-              (1, 600, 64, True, True, False, False), (1, 33, 200, False, False, False, True),
-              (3, 40, 96, True, False, False, True)]  # rows, N, K, norm, silu, bias, residual; ragged N and K
+              (1, 600, 64, True, True, False, True), (1, 33, 2100, False, False, False, True),
+              (1, 8, 2500, True, False, False, True), (3, 40, 96, True, False, False, True)]
+# rows, N, K, norm, silu, bias, residual; ragged N and K; the stream written by three programs, then by one
 
 
 @pytest.mark.parametrize("case", LINEAR_CPU, ids=_linear_id)
@@ -431,17 +446,25 @@ def test_model_interpreter(interpreter, family, B, T, joint, hf_checkpoint):
     interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, B, T, joint)
 
 
-def _norm_without_eps(x, weight, eps):
-    return kernels.rms_norm(x, weight, 0.0)
+def _norm_without_eps(x, weight, eps, residual=None):
+    return kernels.rms_norm(x, weight, 0.0, residual)
 
 
-def _linear_norm_unweighted(x, weight, bias=None, *, norm=None, silu_mul_output=False, residual=None):
-    return kernels.fused_linear(x, weight, bias, norm=(torch.ones_like(norm[0]), norm[1]), residual=residual)
+def _norm_of_x_alone(x, weight, eps, residual):
+    return kernels.rms_norm(x, weight, eps), x + residual
 
 
-def _linear_silu_of_up(x, weight, bias=None, *, norm=None, silu_mul_output=False, residual=None):
-    return kernels.fused_linear(x, torch.cat(weight.chunk(2)[::-1]), bias, norm=norm, silu_mul_output=True,
-                                residual=residual)
+def _linear_norm_unweighted(x, weight, bias=None, *, residual=None, norm=None, silu_mul_output=False):
+    return kernels.fused_linear(x, weight, bias, residual=residual, norm=(torch.ones_like(norm[0]), norm[1]))
+
+
+def _linear_silu_of_up(x, weight, bias=None, *, residual=None, norm=None, silu_mul_output=False):
+    return kernels.fused_linear(x, torch.cat(weight.chunk(2)[::-1]), bias, residual=residual, norm=norm,
+                                silu_mul_output=True)
+
+
+def _linear_of_x_alone(x, weight, bias=None, *, residual=None, norm=None, silu_mul_output=False):
+    return kernels.fused_linear(x, weight, bias, norm=norm, silu_mul_output=silu_mul_output), x + residual
 
 
 def _rotary_sin_negated(q, k, cos, sin):
@@ -478,9 +501,11 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
 
 
 @pytest.mark.parametrize("check, args", [
-    (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, _norm_without_eps)),
+    (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, False, _norm_without_eps)),
+    (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, True, _norm_of_x_alone)),
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, _linear_norm_unweighted)),
     (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, _linear_silu_of_up)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, _linear_of_x_alone)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_rotary_store, ("cpu", torch.float32, 2, 5, 4, 2, 128, _store_k_unrotated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
@@ -488,7 +513,7 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
-], ids=["norm-without-eps", "linear-norm-unweighted", "linear-silu-of-up",
+], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "linear-of-x-alone",
         "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
         "frontier-forgets-ancestors", "tree-walk-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
