@@ -30,6 +30,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return normed if residual is None else (normed, x)
 
 
+def add_norm(x: Tensor, residual: Tensor | None, norm: tuple[Tensor, float] | None, kernel: Callable = rms_norm
+             ) -> tuple[Tensor, Tensor]:
+    """(norm(s), s) for the residual stream s = x + residual entering a sublayer: x alone where residual is None
+    (the first layer), s itself where norm is None. `norm`: an RMSNorm's (weight, eps); `kernel`: its `rms_norm`
+    (the fused one adds and normalises in one launch)."""
+    if norm is None:
+        stream = x if residual is None else x + residual
+        return stream, stream
+    if residual is None:
+        return kernel(x, *norm), x
+    return kernel(x, *norm, residual)
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
@@ -48,8 +61,8 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
     first, which makes the result the pair (y, x + residual); `norm`: an RMSNorm's (weight, eps);
     `silu_mul_output`: SiLU·mul of the output's two halves (a joint gate/up projection). x [..., K], weight [N, K]
     -> y [..., N] ([..., N / 2] with silu_mul_output)."""
-    stream = x if residual is None else x + residual
-    y = F.linear(stream if norm is None else rms_norm(stream, *norm), weight, bias)
+    normed, stream = add_norm(x, residual, norm)
+    y = F.linear(normed, weight, bias)
     if silu_mul_output:
         y = silu_mul(*y.chunk(2, dim=-1))
     return y if residual is None else (y, stream)
@@ -80,12 +93,10 @@ class RMSNorm(nn.Module):
 
 
 def sublayer_input(x: Tensor, norm: RMSNorm | None, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(norm(s), s) for the residual stream s = x + residual entering a sublayer: x alone where residual is None
-    (the first layer), s itself where norm is None."""
-    if residual is not None and norm is not None:
-        return norm(x, residual)
-    stream = x if residual is None else x + residual
-    return (stream if norm is None else norm(stream)), stream
+    """`add_norm` with an RMSNorm module and its kernels: (norm(s), s)."""
+    if norm is None:
+        return add_norm(x, residual, None)
+    return add_norm(x, residual, (norm.weight, norm.eps), norm.kernels.rms_norm)
 
 
 def project_input(kernels: Kernels, x: Tensor, proj: nn.Linear, norm: RMSNorm | None, residual: Tensor | None,

@@ -37,7 +37,7 @@ from eyas.data.tokenizer import render_chat
 from .autotune import format_setting, parse_setting, write_autotune
 from .commands import add_engine_arguments, engine_options, load_models, tree_setting
 from .draft import TreeShape
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, Request
 from .evaluate import load_questions
 from .sampling import SamplingParams
 
@@ -83,39 +83,41 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     return (prompts * n)[:n]
 
 
+GREEDY = SamplingParams(temperature=0)
+
+
 def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None) with KV room for `batch_size` of `prompts`
-    and `max_new_tokens` each, warmed up (`Engine.warm_up`: its CUDA graphs captured for every batch bucket up to
-    `batch_size`)."""
+    and `max_new_tokens` each, after an untimed run of that work (`generate_all`). Triton compiles a kernel variant
+    the first time a shape class appears (prompt lengths, batch buckets, acceptance lengths) and each bucket's CUDA
+    graphs are captured on first use: seconds that a serving process pays once, and a timed first run would charge
+    to one setting."""
     block_size = 16
     longest = max(len(p) for p in prompts) + max_new_tokens + 128  # + the largest tree's scratch
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
                           block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
     engine = Engine(target, head if shape else None, config)
-    engine.warm_up(new_tokens=4)
+    generate_all(engine, prompts, max_new_tokens, batch_size)
     return engine
 
 
+def generate_all(engine: Engine, prompts, max_new_tokens, batch_size) -> list[Request]:
+    """Greedy generation for every prompt, `batch_size` at a time."""
+    return [r for i in range(0, len(prompts), batch_size)
+            for r in engine.generate(prompts[i:i + batch_size], GREEDY, max_new_tokens)]
+
+
 def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Result:
-    """Generates for every prompt, `batch_size` at a time, twice: tokens/s (prefill included) and τ from the second
-    run, unsynchronised; the step split from the first batch run again with each phase timed. The first run is not
-    timed: Triton compiles a kernel variant the first time a shape class appears (prompt lengths, acceptance
-    lengths), which would charge one setting seconds that a serving process pays once.
-    `options`: further EngineConfig fields."""
+    """Generates for every prompt, `batch_size` at a time, after the same untimed run (`warm_engine`): tokens/s
+    (prefill included) and τ, unsynchronised; then the step split from the first batch run again with each phase
+    timed. `options`: further EngineConfig fields."""
     engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, **options)
-    greedy = SamplingParams(temperature=0)
     cuda = engine.device.type == "cuda"
-
-    def generate_all():
-        return [r for i in range(0, len(prompts), batch_size)
-                for r in engine.generate(prompts[i:i + batch_size], greedy, max_new_tokens)]
-
-    generate_all()
     if cuda:
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
     start = time.perf_counter()
-    requests = generate_all()
+    requests = generate_all(engine, prompts, max_new_tokens, batch_size)
     if cuda:
         torch.cuda.synchronize(engine.device)
     seconds = time.perf_counter() - start
@@ -124,7 +126,7 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     tau = (generated - len(requests)) / verifications if shape else 1.0  # less the prefill's tokens
 
     engine.profile, engine.decode_steps = True, 0
-    engine.generate(prompts[:batch_size], greedy, max_new_tokens)
+    engine.generate(prompts[:batch_size], GREEDY, max_new_tokens)
     t, steps = engine.timings, max(engine.decode_steps, 1)
     return Result(
         batch_size, format_setting(shape), tau,

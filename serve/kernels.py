@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from eyas.common.layers import KERNEL_USERS, Kernels
+from eyas.common.layers import KERNEL_USERS, Kernels, add_norm
 
 from . import tree
 
@@ -93,8 +93,7 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
 
     One program per token rotates all its q and k heads. -> new contiguous (q, k) in the reference's dtypes.
     """
-    q_out, k_out = _rotary_launch(q, k, cos, sin)
-    return q_out, k_out
+    return _rotary_launch(q, k, cos, sin)
 
 
 def rotary_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor,
@@ -232,13 +231,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 def _composed(x, weight, bias, residual, norm, silu_mul_output):
     """More than one row, where the matmul is cuBLAS's: the add and the RMSNorm before it in one kernel, SiLU·mul
     after it in another."""
-    if norm is None:
-        stream = x if residual is None else x + residual
-        normed = stream
-    elif residual is None:
-        stream, normed = x, rms_norm(x, *norm)
-    else:
-        normed, stream = rms_norm(x, *norm, residual)
+    normed, stream = add_norm(x, residual, norm, rms_norm)
     y = torch.nn.functional.linear(normed, weight, bias)
     y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
     return y if residual is None else (y, stream)

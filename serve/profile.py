@@ -5,11 +5,11 @@
 A small model's step is bound by how many kernels it launches, not by bytes, and only the launches of the draft,
 the accept phase and verification's extra over a plain pass set the speedup of speculation. For each setting this
 runs an engine on random weights of --arch (a step's kernels do not depend on the weights) at batch 1, a prompt of
---input-len random tokens, and profiles --new-tokens of decoding with `torch.profiler` (after a short generation
-that captures the CUDA graphs and compiles the kernels). The engine times its phases between syncs, so each
-phase's device work lies inside its span (`Engine._phase`). Per phase it prints the kernels a step and the
-costliest kernels: counts are exact; times carry the profiler's overhead (bench-eagle measures step times). Off
-CUDA it counts the torch operators each phase calls instead.
+--input-len random tokens, and profiles --new-tokens of decoding with `torch.profiler` (after an untimed run of the
+same generation, which captures the CUDA graphs and compiles the kernels). The engine times its phases between
+syncs, so each phase's device work lies inside its span (`Engine._phase`). Per phase it prints the kernels a step
+and the costliest kernels: counts are exact; times carry the profiler's overhead (bench-eagle measures step times).
+Off CUDA it counts the torch operators each phase calls instead.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from eyas.common.architectures import ARCHITECTURES, random_target
 from eyas.common.target import default_dtype
 
 from .autotune import format_setting
-from .bench import random_head, warm_engine
+from .bench import GREEDY, random_head, warm_engine
 from .commands import tree_setting
 from .draft import TreeShape
-from .sampling import SamplingParams
 
 PHASES = ("draft", "verify", "accept")
 
@@ -49,7 +48,7 @@ def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], ne
     engine.decode_steps = 0
     cuda = engine.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        engine.generate([prompt], SamplingParams(temperature=0), new_tokens)
+        engine.generate([prompt], GREEDY, new_tokens)
     steps = max(engine.decode_steps, 1)
     events = prof.events()
     spans = collections.defaultdict(list)
