@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .attention import AttentionMetadata
 from .config import ConfigError, RopeConfig, TargetConfig, build_dataclass, read_layer_fields, write_layer_fields
 from .hot_vocab import HotVocab
-from .layers import MLP, Attention, RMSNorm, Rotary
+from .layers import MLP, Attention, Kernels, RMSNorm, Rotary
 from .target import TargetOutput
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -130,6 +130,8 @@ def _layer_ids(ids: Any, key: str, source: str, shift: int) -> tuple[int, ...]:
 
 
 class Eagle3Layer(nn.Module):
+    kernels = Kernels()
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         H = cfg.hidden_size
@@ -141,9 +143,9 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
-        normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
-        residual = normed if self.norm_before_residual else hidden
+        norms = [(n.weight, n.eps) for n in (self.input_layernorm, self.hidden_norm)]
+        x = self.kernels.norm_cat(embeds, hidden, *norms)  # [B, T, 2H]
+        residual = x[..., hidden.shape[-1]:] if self.norm_before_residual else hidden
         a, _ = self.self_attn(x, cos, sin, attn, 0)
         h, r = self.mlp(a, norm=self.post_attention_layernorm, residual=residual)  # r = residual + a
         return r + h

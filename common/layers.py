@@ -43,6 +43,12 @@ def add_norm(x: Tensor, residual: Tensor | None, norm: tuple[Tensor, float] | No
     return kernel(x, *norm, residual)
 
 
+def norm_cat(a: Tensor, b: Tensor, norm_a: tuple[Tensor, float], norm_b: tuple[Tensor, float]) -> Tensor:
+    """cat(norm_a(a), norm_b(b)) on the last dim, two RMSNorms' (weight, eps): a, b [..., H] -> [..., 2H] (the
+    EAGLE-3 layer's input, its token embeddings and hidden states side by side)."""
+    return torch.cat([rms_norm(a, *norm_a), rms_norm(b, *norm_b)], dim=-1)
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
@@ -70,13 +76,15 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 
 @dataclass(frozen=True)
 class Kernels:
-    """The elementwise work of a layer. Layers call `self.kernels`; these torch versions are the reference, and
-    the server swaps in fused Triton ones from outside (`eyas.serve.kernels.install`), leaving the model as is."""
+    """The elementwise work of a layer. Modules that have a `kernels` attribute call it; these torch versions are
+    the reference, and the server swaps in fused Triton ones from outside (`eyas.serve.kernels.install`), leaving
+    the model as is."""
 
     rms_norm: Callable = rms_norm
     rotary: Callable = lambda q, k, cos, sin: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
     silu_mul: Callable = silu_mul
     linear: Callable = fused_linear
+    norm_cat: Callable = norm_cat
 
 
 class RMSNorm(nn.Module):
@@ -222,9 +230,6 @@ class MLP(nn.Module):
             x, stream = sublayer_input(x, norm, residual)
             h = self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x))
         return self.kernels.linear(h, self.down_proj.weight, self.down_proj.bias), stream
-
-
-KERNEL_USERS = (RMSNorm, Attention, MLP)  # the modules whose `kernels` the server replaces
 
 
 def _joint_linear(parts: list[nn.Linear]) -> nn.Linear:

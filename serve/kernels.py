@@ -1,8 +1,8 @@
-"""Fused Triton kernels for inference: RMSNorm, rotary on q and k (with the paged cache's store of k and v in the
-same launch, `rotary_store`, which the Triton backend calls), SiLU·mul, a one-token linear layer with the
-residual add and RMSNorm before it and SiLU·mul after it fused in; and for speculation, the draft's top-k
-log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk
-down the tree.
+"""Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q
+and k (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend
+calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
+fused in; and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping (each pass's next
+frontier, the final tree) and greedy verification's walk down the tree.
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from eyas.common.layers import KERNEL_USERS, Kernels, add_norm
+from eyas.common.layers import Kernels, add_norm
 
 from . import tree
 
@@ -37,7 +37,7 @@ jit = triton.jit
 def install(model: nn.Module, kernels: Kernels | None = None) -> None:
     """Makes every layer of `model` use `kernels` (default: the fused ones, inference only: no backward)."""
     for module in model.modules():
-        if isinstance(module, KERNEL_USERS):
+        if isinstance(getattr(module, "kernels", None), Kernels):
             module.kernels = kernels or FUSED
 
 
@@ -80,12 +80,48 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stream_ptr, stride_x, strid
         r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(stream_ptr.dtype.element_ty)
         tl.store(stream_ptr + row * N + cols, x, mask=ok)
+    _norm_row(x, w_ptr, out_ptr + row * N, N, eps, cols, ok)
+
+
+@jit
+def _norm_row(x, w_ptr, out_ptr, N, eps, cols, ok):
+    """RMSNorm of one row x [BLOCK] (its N first entries) into out_ptr [N]."""
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
     normed = (x32 * rstd).to(x.dtype)  # the reference casts back to the input dtype before the weight
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     out = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def norm_cat(a: Tensor, b: Tensor, norm_a: tuple[Tensor, float], norm_b: tuple[Tensor, float]) -> Tensor:
+    """`eyas.common.layers.norm_cat` in one launch (torch takes the two norms' kernels and the cat): a, b [..., N]
+    -> [..., 2N] new contiguous, one program per (row, half)."""
+    assert a.shape == b.shape, f"norm_cat of {tuple(a.shape)} and {tuple(b.shape)}"
+    (w_a, eps_a), (w_b, eps_b) = norm_a, norm_b
+    dtype = torch.promote_types(w_a.dtype, a.dtype)
+    assert dtype == torch.promote_types(w_b.dtype, b.dtype), "both halves must normalise to one dtype"
+    n = a.shape[-1]
+    rows_a, rows_b = _rows(a), _rows(b)
+    out = torch.empty(*a.shape[:-1], 2 * n, dtype=dtype, device=a.device)
+    block = triton.next_power_of_2(n)
+    _norm_cat_kernel[(rows_a.shape[0], 2)](rows_a, rows_b, w_a.contiguous(), w_b.contiguous(), out,
+                                           rows_a.stride(0), rows_b.stride(0), n, eps_a, eps_b, BLOCK=block,
+                                           num_warps=min(max(block // 512, 1), 16))
+    return out
+
+
+@jit
+def _norm_cat_kernel(a_ptr, b_ptr, w_a_ptr, w_b_ptr, out_ptr, stride_a, stride_b, N, eps_a, eps_b,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    out = out_ptr + row * 2 * N
+    if tl.program_id(1) == 0:
+        _norm_row(tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0), w_a_ptr, out, N, eps_a, cols, ok)
+    else:
+        _norm_row(tl.load(b_ptr + row * stride_b + cols, mask=ok, other=0.0), w_b_ptr, out + N, N, eps_b, cols, ok)
 
 
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -504,29 +540,26 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_token
     out_tokens, out_parents, depth = (torch.empty(B, n, dtype=torch.int64, device=device) for _ in range(3))
     out_scores = torch.empty(B, n, dtype=scores.dtype, device=device)
     mask = torch.empty(B, n, n, dtype=torch.bool, device=device)
-    c_pow2 = triton.next_power_of_2(C)
     _select_tree_kernel[(B,)](tokens, scores, parents, new_index, out_tokens, out_scores, out_parents, depth, mask,
-                              C, n, max_depth, C_POW2=c_pow2, CHUNK=max(min(c_pow2, 8192 // c_pow2), 1),
-                              N_POW2=triton.next_power_of_2(n))
+                              C, n, max_depth, C_POW2=triton.next_power_of_2(C), N_POW2=triton.next_power_of_2(n))
     return tree.DraftTree(tokens=out_tokens, parents=out_parents, depth=depth, mask=mask, scores=out_scores)
 
 
 @jit
 def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_tokens_ptr, out_scores_ptr,
                         out_parents_ptr, depth_ptr, mask_ptr, C, n, max_depth, C_POW2: tl.constexpr,
-                        CHUNK: tl.constexpr, N_POW2: tl.constexpr):
+                        N_POW2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, C_POW2)  # candidates
     ok = c < C
-    s = tl.load(scores_ptr + row * C + c, mask=ok, other=float("-inf"))
-    # rank[c]: candidates before c by score, then by creation (a stable descending sort's position), chunk by chunk.
-    rank = tl.zeros([C_POW2], tl.int32)
-    for j0 in range(0, C, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        sj = tl.load(scores_ptr + row * C + j, mask=j < C, other=float("-inf"))
-        before = (sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (j[None, :] < c[:, None]))
-        rank += tl.sum((before & (j[None, :] < C)).to(tl.int32), 1)
-    keep = ok & (rank < n)
+    s = tl.load(scores_ptr + row * C + c, mask=ok, other=float("-inf")) + 0.0  # -0.0 -> 0.0: they tie
+    # The n best by score, then by creation (a stable descending sort's first n): distinct int64 keys, the score's
+    # bits made order-preserving above the reversed index, sorted; the n-th largest key is the threshold.
+    bits = s.to(tl.int32, bitcast=True)
+    key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) << 32) | (C_POW2 - 1 - c)
+    key = tl.where(ok, key, -(1 << 63))  # padding lanes last (below a score of -inf)
+    threshold = tl.sum(tl.where(c == n - 1, tl.sort(key, descending=True), 0), 0)
+    keep = ok & (key >= threshold)
     new = tl.cumsum(keep.to(tl.int32), 0) - 1  # the kept candidates in creation order
     tl.store(new_index_ptr + row * C + c, new, mask=keep)
     out = row * n + new
@@ -554,4 +587,4 @@ def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_
 
 DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
 
-FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, linear=fused_linear)
+FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, linear=fused_linear, norm_cat=norm_cat)

@@ -22,7 +22,16 @@ import torch.nn.functional as F
 
 from eyas.common.attention import CausalAttention
 from eyas.common.config import RopeConfig
-from eyas.common.layers import Kernels, RMSNorm, Rotary, apply_rotary, fuse_projections, fused_linear, rms_norm
+from eyas.common.layers import (
+    Kernels,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    fuse_projections,
+    fused_linear,
+    norm_cat,
+    rms_norm,
+)
 from eyas.common.target import TargetModel
 from eyas.serve import tree
 from eyas.serve.verify import verify_greedy
@@ -64,6 +73,17 @@ def check_rms_norm(device, dtype, rows, n, sliced=False, weight_dtype=None, resi
         (out, stream), (ref, ref_stream) = out, ref
         assert stream.dtype == ref_stream.dtype and torch.equal(stream, ref_stream)
     assert_matches(out, ref, dtype)
+
+
+def check_norm_cat(device, dtype, rows, n, strided=False, impl=kernels.norm_cat):
+    """cat(norm_a(a), norm_b(b)) for a, b [rows, n] with row scales 1e-3..10 and two different norms (weights and
+    eps); `strided`: b is a view with a row stride of 2n."""
+    scale = torch.logspace(-3, 1, rows)[:, None]
+    a = randn(rows, n, dtype=dtype, device=device, seed=0, scale=scale)
+    b = randn(rows, 2 * n if strided else n, dtype=dtype, device=device, seed=1, scale=scale.flip(0))[:, :n]
+    norm_a = (randn(n, dtype=dtype, device=device, seed=2, scale=0.1) + 1, EPS)
+    norm_b = (randn(n, dtype=dtype, device=device, seed=3, scale=0.1) + 1, 1e-3)
+    assert_matches(impl(a, b, norm_a, norm_b), norm_cat(a, b, norm_a, norm_b), dtype)
 
 
 def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residual=False, impl=kernels.fused_linear):
@@ -263,6 +283,13 @@ def test_rms_norm_cuda_strided_mixed_dtypes_and_residual(dtype):
     check_rms_norm("cuda", dtype, 300, 576, True, None, True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, n, strided", [(1, 576, False), (8, 4096, True), (64, 576, True), (300, 4096, False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_norm_cat_cuda(dtype, rows, n, strided):
+    check_norm_cat("cuda", dtype, rows, n, strided)
+
+
 # Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel) and 48
 # (composed). The residual stream is added before the q/k/v and gate/up projections.
 LINEAR_CUDA = [(1, 6144, 4096, True, False, False, True), (1, 4096, 4096, False, False, False, False),
@@ -385,6 +412,12 @@ RMS_CPU = [(1, 576, False, None, False), (7, 96, False, None, True), (33, 128, T
 @pytest.mark.parametrize("dtype", HALVES, ids=_id)
 def test_rms_norm_interpreter(interpreter, dtype, case):
     interpreter(check_rms_norm, "cpu", dtype, *case)
+
+
+@pytest.mark.parametrize("rows, n, strided", [(1, 96, False), (9, 100, True)], ids=str)
+@pytest.mark.parametrize("dtype", HALVES, ids=_id)
+def test_norm_cat_interpreter(interpreter, dtype, rows, n, strided):
+    interpreter(check_norm_cat, "cpu", dtype, rows, n, strided)
 
 
 LINEAR_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
