@@ -111,8 +111,9 @@ def inputs(B=2, T=7, width=H):
     return torch.randn(B, T, H, generator=g), torch.randn(B, T, width, generator=g), torch.arange(T).expand(B, -1)
 
 
-def test_public_eagle3_layout_loads_and_computes_the_format(tmp_path):
-    t = write_public_eagle3(tmp_path / "head")
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_public_eagle3_layout_loads_and_computes_the_format(tmp_path, norm_before_residual):
+    t = write_public_eagle3(tmp_path / "head", norm_before_residual=norm_before_residual)
     head = load_draft_head(tmp_path / "head")
     assert isinstance(head, Eagle3Head)
     embeds, aux, pos = inputs(width=3 * HT)
@@ -121,8 +122,9 @@ def test_public_eagle3_layout_loads_and_computes_the_format(tmp_path):
         logits = head.logits(out)
     # The format's meaning, written out independently of eyas:
     h = aux @ t["fc.weight"].T
-    x = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"]), rms(h, t["midlayer.hidden_norm.weight"])], -1)
-    r = h + ref_attention(t, "midlayer.self_attn", x, pos)
+    normed = rms(h, t["midlayer.hidden_norm.weight"])
+    x = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"]), normed], -1)
+    r = (normed if norm_before_residual else h) + ref_attention(t, "midlayer.self_attn", x, pos)  # the residual
     ref_out = r + ref_mlp(t, "midlayer.mlp", rms(r, t["midlayer.post_attention_layernorm.weight"]))
     ref_logits = rms(ref_out, t["norm.weight"]) @ t["lm_head.weight"].T
     assert (out - ref_out).abs().max() < 1e-4
