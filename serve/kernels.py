@@ -17,10 +17,12 @@ the attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, t
 `verify_greedy` in place of their torch references (`serve.tree`, `serve.verify`), which they equal. They have no
 backward: the trainer keeps the torch kernels. Launches read
 sizes from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the
-current CUDA device.
+current CUDA device; on Hopper and later, with programmatic dependent launch (`launch_options`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -39,6 +41,26 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "kernels", None), Kernels):
             module.kernels = kernels or FUSED
+
+
+@functools.cache
+def launch_options(device: torch.device) -> dict:
+    """What every kernel here (and the Triton attention's) launches with: on Hopper and later, programmatic
+    dependent launch. A kernel then starts while the one before it in the stream is finishing, and waits for it
+    in `follow`, so the gap between two kernels of a CUDA graph (about 2.5 µs on an H200, docs/perf.md) overlaps
+    the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter)."""
+    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+@jit
+def follow(PDL: tl.constexpr):
+    """Every kernel's first step. Under PDL: wait until the kernel before has finished and its writes are visible
+    (before any load or store: its outputs are inputs here, and memory written here may be memory it still reads),
+    then let the next kernel launch; its programs take SM slots once all of these are resident."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -65,13 +87,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     _rms_norm_kernel[(rows.shape[0],)](
         rows, res, weight.contiguous(), out, out if stream is None else stream, rows.stride(0), res.stride(0), n,
         eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+        **launch_options(x.device),
     )
     return out if stream is None else (out, stream)
 
 
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stream_ptr, stride_x, stride_res, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -107,13 +131,14 @@ def norm_cat(a: Tensor, b: Tensor, norm_a: tuple[Tensor, float], norm_b: tuple[T
     block = triton.next_power_of_2(n)
     _norm_cat_kernel[(rows_a.shape[0], 2)](rows_a, rows_b, w_a.contiguous(), w_b.contiguous(), out,
                                            rows_a.stride(0), rows_b.stride(0), n, eps_a, eps_b, BLOCK=block,
-                                           num_warps=min(max(block // 512, 1), 16))
+                                           num_warps=min(max(block // 512, 1), 16), **launch_options(a.device))
     return out
 
 
 @jit
 def _norm_cat_kernel(a_ptr, b_ptr, w_a_ptr, w_b_ptr, out_ptr, stride_a, stride_b, N, eps_a, eps_b,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -163,6 +188,7 @@ def _rotary_launch(q, k, cos, sin, store=None):
         *cos.stride()[:2], *sin.stride()[:2], slots.stride(0), Hq, Hkv, STORE=store is not None, HALF=D // 2,
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_ROW=triton.next_power_of_2(Hkv * D),
+        **launch_options(q.device),
     )
     return q_out, k_out
 
@@ -172,9 +198,10 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, 
                    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                    stride_cb, stride_ct, stride_sb, stride_st, stride_slots, HQ, HKV, STORE: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   BLOCK_ROW: tl.constexpr):
+                   BLOCK_ROW: tl.constexpr, PDL: tl.constexpr):
     """One token. k's rotated heads go to row `token` of k_out, or with STORE to row slots[b, t] of the cache (the
     same [Hkv, D] layout), and v's row to that row of v_cache."""
+    follow(PDL)
     token = tl.program_id(0).to(tl.int64)
     b, t = token // T, token % T
     d = tl.arange(0, BLOCK_HALF)
@@ -223,12 +250,13 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     rows, n = gate_rows.shape
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gate_rows, up_rows, out, n, gate_rows.stride(0),
-                                                    up_rows.stride(0), BLOCK=1024)
+                                                    up_rows.stride(0), BLOCK=1024, **launch_options(gate.device))
     return out
 
 
 @jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
@@ -259,7 +287,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
         x, residual.contiguous() if residual is not None else x, stream if stream is not None else x, weight,
         bias if bias is not None else weight, norm[0] if norm else weight, out, N_out, K, norm[1] if norm else 0.0,
         HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_options(x.device),
     )
     return out if stream is None else (out, stream)
 
@@ -283,7 +311,7 @@ def launch_config(N: int, K: int) -> tuple[int, int, int]:
 @triton.jit
 def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr, out_ptr, N, K, eps,
                          HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row x [K] against BLOCK_N rows of w [N, K] (with SILU_MUL, w is [2N, K]: gate rows, then up rows, and the
     program reads BLOCK_N of each): products summed over K at the end ([BLOCK_N, BLOCK_K] fp32 partial sums, so
     each load's reduction does not wait on the last).
@@ -294,6 +322,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr
     sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
     reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
     below the output's own rounding.)"""
+    follow(PDL)
     program = tl.program_id(0)
     n = program * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -365,18 +394,19 @@ def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     where = torch.empty(rows, chunks, k_pow2, dtype=torch.int64, device=device)  # and their vocabulary indices
     maxima, sums = (torch.empty(rows, chunks, dtype=torch.float32, device=device) for _ in range(2))
     _chunk_top_kernel[(rows, chunks)](x, best, where, maxima, sums, x.stride(0), V, K=k, K_POW2=k_pow2,
-                                      BLOCK=TOP_CHUNK, num_warps=8)
+                                      BLOCK=TOP_CHUNK, num_warps=8, **launch_options(x.device))
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     indices = torch.empty(rows, k, dtype=torch.int64, device=device)
     _merge_top_kernel[(rows,)](best, where, maxima, sums, values, indices, chunks, K=k, K_POW2=k_pow2,
-                               CHUNKS_POW2=triton.next_power_of_2(chunks))
+                               CHUNKS_POW2=triton.next_power_of_2(chunks), **launch_options(values.device))
     shape = logits.shape[:-1] + (k,)
     return values.view(shape), indices.view(shape)
 
 
 @jit
 def _chunk_top_kernel(x_ptr, best_ptr, where_ptr, max_ptr, sum_ptr, stride_x, V, K: tl.constexpr,
-                      K_POW2: tl.constexpr, BLOCK: tl.constexpr):
+                      K_POW2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -399,7 +429,8 @@ def _chunk_top_kernel(x_ptr, best_ptr, where_ptr, max_ptr, sum_ptr, stride_x, V,
 
 @jit
 def _merge_top_kernel(best_ptr, where_ptr, max_ptr, sum_ptr, values_ptr, indices_ptr, chunks, K: tl.constexpr,
-                      K_POW2: tl.constexpr, CHUNKS_POW2: tl.constexpr):
+                      K_POW2: tl.constexpr, CHUNKS_POW2: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_POW2)
     m = tl.load(max_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"))
@@ -430,13 +461,14 @@ def verify_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, node_valid: T
     num_accepted, bonus = (torch.empty(B, dtype=torch.long, device=tokens.device) for _ in range(2))
     tokens, parents, node_valid = (x.contiguous() for x in (tokens, parents, node_valid))
     _greedy_walk_kernel[(B,)](tokens, parents, node_valid, target, accepted, num_accepted, bonus, N, STEPS=steps,
-                              BLOCK=triton.next_power_of_2(N))
+                              BLOCK=triton.next_power_of_2(N), **launch_options(tokens.device))
     return accepted, num_accepted, bonus
 
 
 @jit
 def _greedy_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted_ptr, num_ptr, bonus_ptr, N,
-                        STEPS: tl.constexpr, BLOCK: tl.constexpr):
+                        STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)  # node indices
     ok = j < N
@@ -483,7 +515,7 @@ def grow_frontier(frontier: tree.Frontier, child_scores: Tensor, child_tokens: T
     _grow_frontier_kernel[(B,)](
         frontier.nodes, frontier_scores, frontier.ancestors, child_scores, child_tokens, scores, parents, nodes,
         best_scores, tokens, rows, ancestors, start, P, *frontier.nodes.stride(), *frontier.ancestors.stride(),
-        K=k, K_POW2=triton.next_power_of_2(k), KK_POW2=triton.next_power_of_2(k * k),
+        K=k, K_POW2=triton.next_power_of_2(k), KK_POW2=triton.next_power_of_2(k * k), **launch_options(scores.device),
     )
     return scores, parents, tree.Frontier(nodes, best_scores, tokens, rows, ancestors)
 
@@ -492,7 +524,8 @@ def grow_frontier(frontier: tree.Frontier, child_scores: Tensor, child_tokens: T
 def _grow_frontier_kernel(frontier_ptr, frontier_scores_ptr, ancestors_ptr, child_scores_ptr, child_tokens_ptr,
                           scores_ptr, parents_ptr, nodes_ptr, best_scores_ptr, tokens_ptr, rows_ptr,
                           new_ancestors_ptr, start, P, stride_fb, stride_fi, stride_ab, stride_ai, stride_ap,
-                          K: tl.constexpr, K_POW2: tl.constexpr, KK_POW2: tl.constexpr):
+                          K: tl.constexpr, K_POW2: tl.constexpr, KK_POW2: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, KK_POW2)  # child i: frontier row i // K, its (i % K)-th best child
     ok = i < K * K
@@ -541,14 +574,16 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_token
     out_scores = torch.empty(B, n, dtype=scores.dtype, device=device)
     mask = torch.empty(B, n, n, dtype=torch.bool, device=device)
     _select_tree_kernel[(B,)](tokens, scores, parents, new_index, out_tokens, out_scores, out_parents, depth, mask,
-                              C, n, max_depth, C_POW2=triton.next_power_of_2(C), N_POW2=triton.next_power_of_2(n))
+                              C, n, max_depth, C_POW2=triton.next_power_of_2(C), N_POW2=triton.next_power_of_2(n),
+                              **launch_options(tokens.device))
     return tree.DraftTree(tokens=out_tokens, parents=out_parents, depth=depth, mask=mask, scores=out_scores)
 
 
 @jit
 def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_tokens_ptr, out_scores_ptr,
                         out_parents_ptr, depth_ptr, mask_ptr, C, n, max_depth, C_POW2: tl.constexpr,
-                        N_POW2: tl.constexpr):
+                        N_POW2: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, C_POW2)  # candidates
     ok = c < C

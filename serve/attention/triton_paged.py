@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import follow, launch_options
 from .paged import PagedAttention
 
 # Running-max start: finite, so a row that has seen no key yet updates as exp2(-inf - m) = 0 without NaN.
@@ -108,12 +109,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         B, T, W, Hkv, splits, math.log2(math.e) / math.sqrt(D),
         GROUP=group, PAGE=block_size, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=3,
+        num_warps=num_warps, num_stages=3, **launch_options(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(B * T * Hq,)](
             partial, lse, out, B * T * Hq, splits,
-            SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=D,
+            SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=D, **launch_options(out.device),
         )
     return out
 
@@ -126,12 +127,13 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tens
     k, v = (x if x.stride(3) == 1 and x.stride(2) == D else x.contiguous() for x in (k, v))
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.shape == (B, T) and slots.stride(1) == 1
     _store_kv_kernel[(B * T,)](k, v, slots, k_cache, v_cache, T, *k.stride()[:2], *v.stride()[:2], slots.stride(0),
-                               ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D))
+                               ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), **launch_options(k.device))
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, T, stride_kb, stride_kt, stride_vb,
-                     stride_vt, stride_sb, ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_vt, stride_sb, ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
     token = tl.program_id(0).to(tl.int64)
     b, t = token // T, token % T
     slot = tl.load(slots_ptr + b * stride_sb + t).to(tl.int64)
@@ -169,8 +171,9 @@ def _paged_attention_kernel(
     stride_mb, stride_mt, stride_mw,
     B, T, W, HKV, num_splits, scale_log2,  # runtime ints: fewer compiled variants across CUDA-graph buckets
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    follow(PDL)
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv_head = bh // HKV, bh % HKV
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows [BLOCK_M]
@@ -239,8 +242,9 @@ def _attend_tile(q, acc, m_i, l_i, pos, key_ok, seen, table, k_base, v_base, str
 
 @triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, ROWS, num_splits, SPLITS_POW2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """One (b, t, head) row: out = sum_s 2^lse_s * partial_s / sum_s 2^lse_s."""
+    follow(PDL)
     row = tl.program_id(0)
     s = tl.arange(0, SPLITS_POW2)
     d = tl.arange(0, HEAD_DIM)

@@ -561,3 +561,23 @@ def test_rows_view_or_copy():
     assert kernels._rows(x).data_ptr() == x.data_ptr() and kernels._rows(x).stride() == (10, 1)
     y = torch.randn(8, 4).T
     assert kernels._rows(y).is_contiguous() and kernels._rows(y).data_ptr() != y.data_ptr()
+
+
+def test_every_kernel_waits_for_the_one_before():
+    """Under programmatic dependent launch (`launch_options`, Hopper on) a kernel may start before the one before
+    it has finished, so each must open with `follow(PDL)`: one that touched memory first could read inputs not yet
+    written, or overwrite memory still being read. Off CUDA the option is off."""
+    import ast
+
+    from triton.runtime.jit import JITFunction
+
+    from eyas.serve.attention import triton_paged
+
+    launched = [fn for module in (kernels, triton_paged) for name, fn in vars(module).items()
+                if isinstance(fn, JITFunction) and name.endswith("_kernel")]
+    assert len(launched) == 13
+    for fn in launched:
+        body = ast.parse(fn.src).body[0].body
+        first = body[1] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body[0]
+        assert ast.unparse(first) == "follow(PDL)", f"{fn.__name__} starts with {ast.unparse(first)!r}"
+    assert kernels.launch_options(torch.device("cpu")) == {"PDL": False}
