@@ -1,8 +1,9 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q
 and k (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend
 calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
-fused in; and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping (each pass's next
-frontier, the final tree) and greedy verification's walk down the tree.
+fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculation, the draft's top-k log-probs,
+the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk down the
+tree.
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -293,12 +294,70 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 
 
 def _composed(x, weight, bias, residual, norm, silu_mul_output):
-    """More than one row, where the matmul is cuBLAS's: the add and the RMSNorm before it in one kernel, SiLU·mul
-    after it in another."""
+    """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm before it in one
+    kernel, SiLU·mul after it in another."""
     normed, stream = add_norm(x, residual, norm, rms_norm)
-    y = torch.nn.functional.linear(normed, weight, bias)
+    y = rows_matmul(normed, weight, bias)
     y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
     return y if residual is None else (y, stream)
+
+
+ROWS_MAX = 64  # more rows: cuBLAS
+ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (docs/perf.md)
+
+
+def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, on tensor cores, in
+    a kernel that joins the programmatic dependent launches (cuBLAS's cannot) and loads its first weights before
+    waiting on the kernel before; other inputs go to cuBLAS. x [..., K], weight [N, K] -> [..., N]."""
+    rows = _rows(x)
+    M, K = rows.shape
+    N = weight.shape[0]
+    if not (2 <= M <= ROWS_MAX and N * K <= ROWS_MAX_WEIGHT and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.is_contiguous()):
+        return torch.nn.functional.linear(x, weight, bias)
+    block_m = max(16, triton.next_power_of_2(M))
+    block_n, block_k, stages, warps = rows_config(block_m, K)
+    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    _rows_matmul_kernel[(triton.cdiv(N, block_n),)](
+        rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
+        **launch_options(x.device),
+    )
+    return out
+
+
+def rows_config(block_m: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages, warps) for `rows_matmul`, from a sweep on an H200 (docs/perf.md): 32 weight rows
+    a program, long chunks of K for up to 16 rows of a long K; 4 stages of loads in flight."""
+    return 32, 256 if block_m <= 16 and K >= 2048 else 128, 4, 4
+
+
+@jit
+def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    n_ok, m_ok = n < N, m < M
+    w_rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
+    x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
+    # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+    follow(PDL)
+    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+    acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] fp32
+    for start in range(BLOCK_K, K, BLOCK_K):
+        kk = start + k
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:
@@ -322,32 +381,30 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr
     sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
     reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
     below the output's own rounding.)"""
-    follow(PDL)
     program = tl.program_id(0)
     n = program * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
     k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
+    # The first chunk of weights is loaded before waiting on the kernel before (no kernel writes weights).
+    ok = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(rows + k[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+    w_up = tl.load(rows + N * K + k[None, :], mask=ok & SILU_MUL, other=0.0)
+    follow(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SILU_MUL only
     squares = tl.zeros([BLOCK_K], tl.float32)  # HAS_NORM only
-    for start in range(0, K, BLOCK_K):
+    acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, k, K, dtype,
+                                         HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+    for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
-        k_ok = kk < K
-        ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+        ok = n_ok[:, None] & (kk < K)[None, :]
+        w = tl.load(rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
-        a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-        if HAS_RESIDUAL:
-            a = (a + tl.load(res_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        if HAS_NORM:
-            squares += a * a
-            a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * a[None, :]
-        if SILU_MUL:
-            acc_up += w_up.to(tl.float32) * a[None, :]
+        acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K,
+                                             dtype, HAS_RESIDUAL, HAS_NORM, SILU_MUL)
     y = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
@@ -371,6 +428,23 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr
             s = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32) + tl.load(res_ptr + kk, mask=k_ok,
                                                                                      other=0.0).to(tl.float32)
             tl.store(stream_ptr + kk, s.to(dtype), mask=k_ok)
+
+
+@jit
+def _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, dtype: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+    """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]."""
+    k_ok = kk < K
+    a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+    if HAS_RESIDUAL:
+        a = (a + tl.load(res_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    if HAS_NORM:
+        squares += a * a
+        a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * a[None, :]
+    if SILU_MUL:
+        acc_up += w_up.to(tl.float32) * a[None, :]
+    return acc, acc_up, squares
 
 
 TOP_CHUNK = 2048  # vocabulary entries per program of `top_log_probs`' first kernel
