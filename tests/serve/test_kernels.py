@@ -14,7 +14,9 @@ the other side of a rounding boundary. The one-token linear is the exception (it
 `check_fused_linear` says how its tolerance follows.
 """
 
+import ast
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -572,9 +574,7 @@ def test_every_kernel_waits_for_the_one_before():
     """Under programmatic dependent launch (`launch_options`, Hopper on) a kernel may start before the one before
     it has finished, so each must call `follow(PDL)` before it touches memory: one that did not could read inputs not
     yet written, or overwrite memory still being read. The linear kernels load their first weights before it (no
-    kernel writes weights), and store nothing before it. Off CUDA the option is off."""
-    import ast
-
+    kernel writes weights), and neither read nor write anything else before it. Off CUDA the option is off."""
     from triton.runtime.jit import JITFunction
 
     from eyas.serve.attention import triton_paged
@@ -590,7 +590,10 @@ def test_every_kernel_waits_for_the_one_before():
         assert "follow(PDL)" in code, f"{name} never calls follow(PDL)"
         before = code[:code.index("follow(PDL)")]
         if name in ("_fused_linear_kernel", "_rows_matmul_kernel"):
-            assert not any("store" in line or "atomic" in line for line in before), f"{name} writes before follow"
+            early = " ".join(before)
+            assert "store" not in early and "atomic" not in early, f"{name} writes before follow"
+            assert set(re.findall(r"tl\.load\((\w+)", early)) == {"rows" if "fused" in name else "w_rows"}, \
+                f"{name} reads more than its weights before follow"
         else:
             assert not before, f"{name} starts with {before[0]!r}"
     assert kernels.launch_options(torch.device("cpu")) == {"PDL": False}
