@@ -56,9 +56,10 @@ def launch_options(device: torch.device) -> dict:
 
 @jit
 def follow(PDL: tl.constexpr):
-    """Every kernel's first step. Under PDL: wait until the kernel before has finished and its writes are visible
-    (before any load or store: its outputs are inputs here, and memory written here may be memory it still reads),
-    then let the next kernel launch; its programs take SM slots once all of these are resident."""
+    """Every kernel calls it before it touches activations (the linear kernels load their first weights before it,
+    which no kernel writes). Under PDL: wait until the kernel before has finished and its writes are visible (its
+    outputs are inputs here, and memory written here may be memory it still reads), then let the next kernel
+    launch; its programs take SM slots once all of these are resident."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
