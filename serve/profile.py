@@ -9,7 +9,8 @@ runs an engine on random weights of --arch (a step's kernels do not depend on th
 same generation, which captures the CUDA graphs and compiles the kernels). The engine times its phases between
 syncs, so each phase's device work lies inside its span (`Engine._phase`). Per phase it prints the kernels a step
 and the costliest kernels: counts are exact; times carry the profiler's overhead (bench-eagle measures step times).
-Off CUDA it counts the torch operators each phase calls instead.
+On Hopper a Triton kernel's time also holds its wait on the kernel before (programmatic dependent launch starts it
+early: `eyas.serve.kernels.launch_options`). Off CUDA it counts the torch operators each phase calls instead.
 """
 
 from __future__ import annotations
