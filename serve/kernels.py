@@ -49,8 +49,9 @@ def launch_options(device: torch.device) -> dict:
     """What every kernel here (and the Triton attention's) launches with: on Hopper and later, programmatic
     dependent launch. A kernel then starts while the one before it in the stream is finishing, and waits for it
     in `follow`, so the gap between two kernels of a CUDA graph (about 2.5 µs on an H200, docs/perf.md) overlaps
-    the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter)."""
-    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter, a Triton without `gdc_wait`)."""
+    pdl = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+           and hasattr(tl.extra.cuda, "gdc_wait"))
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
