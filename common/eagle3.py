@@ -143,8 +143,7 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
-        norms = [(n.weight, n.eps) for n in (self.input_layernorm, self.hidden_norm)]
-        x = self.kernels.norm_cat(embeds, hidden, *norms)  # [B, T, 2H]
+        x = self.kernels.norm_cat(embeds, hidden, self.input_layernorm.spec, self.hidden_norm.spec)  # [B, T, 2H]
         residual = x[..., hidden.shape[-1]:] if self.norm_before_residual else hidden
         a, _ = self.self_attn(x, cos, sin, attn, 0)
         h, r = self.mlp(a, norm=self.post_attention_layernorm, residual=residual)  # r = residual + a

@@ -95,23 +95,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    @property
+    def spec(self) -> tuple[Tensor, float]:
+        """(weight, eps): the form `rms_norm`, `add_norm` and the fused kernels take a norm in."""
+        return self.weight, self.eps
+
     def forward(self, x: Tensor, residual: Tensor | None = None):
         """x [..., dim] -> norm(x); with `residual`, the pair (norm(x + residual), x + residual) (`rms_norm`)."""
-        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        return self.kernels.rms_norm(x, *self.spec, residual)
 
 
 def sublayer_input(x: Tensor, norm: RMSNorm | None, residual: Tensor | None) -> tuple[Tensor, Tensor]:
     """`add_norm` with an RMSNorm module and its kernels: (norm(s), s)."""
     if norm is None:
         return add_norm(x, residual, None)
-    return add_norm(x, residual, (norm.weight, norm.eps), norm.kernels.rms_norm)
+    return add_norm(x, residual, norm.spec, norm.kernels.rms_norm)
 
 
 def project_input(kernels: Kernels, x: Tensor, proj: nn.Linear, norm: RMSNorm | None, residual: Tensor | None,
                   **epilogue) -> tuple[Tensor, Tensor]:
     """`sublayer_input` and the sublayer's joint input projection in one `Kernels.linear`: (epilogue(proj(norm(s))),
     s)."""
-    prologue = {} if norm is None else {"norm": (norm.weight, norm.eps)}
+    prologue = {} if norm is None else {"norm": norm.spec}
     if residual is None:
         return kernels.linear(x, proj.weight, proj.bias, **prologue, **epilogue), x
     return kernels.linear(x, proj.weight, proj.bias, residual=residual, **prologue, **epilogue)

@@ -312,12 +312,13 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, on tensor cores, in
     a kernel that joins the programmatic dependent launches (cuBLAS's cannot) and loads its first weights before
     waiting on the kernel before; other inputs go to cuBLAS. x [..., K], weight [N, K] -> [..., N]."""
-    rows = _rows(x)
-    M, K = rows.shape
-    N = weight.shape[0]
+    N, K = weight.shape
+    assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
+    M = x.numel() // K
     if not (2 <= M <= ROWS_MAX and N * K <= ROWS_MAX_WEIGHT and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.is_contiguous()):
         return torch.nn.functional.linear(x, weight, bias)
+    rows = _rows(x)  # [M, K], after the check: cuBLAS takes x as it is
     block_m = max(16, triton.next_power_of_2(M))
     block_n, block_k, stages, warps = rows_config(block_m, K)
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
