@@ -9,24 +9,35 @@ FLOPs a perfect implementation must do; masked-out attention scores are not coun
   target forward   2·P_t + 2·L·T·Hq            (P_t: non-embedding weights incl. lm_head; causal QK^T and PV)
   head, k steps    6·(k·P_h + P_fc) + k·6·T·Hq  (P_h: the layer + lm_head, fc once; fwd + bwd, causal part)
 MFU = achieved FLOP/s over the dense bf16 peak given (default 989 TFLOP/s, an H100/H200 SXM datasheet).
+
+`--profile N` runs the same under `torch.profiler` and lists the N kernels that take the most device time in a
+measured step (off CUDA: the operators a step calls), which is where a faster step has to come from:
+
+    python -m eyas.train.bench --recipe bench-llama3.1-8b --set model.random_arch=smollm2-135m \
+        --set data.synthetic.batch_size=4 --profile 25
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from eyas.common.architectures import architecture_config
 from eyas.common.assets import resolve_target
 from eyas.common.checkpoint import target_config
 
 from .config import load_recipe
-from .trainer import head_config, train
+from .trainer import STEP_RANGE, head_config, train
 
 
 def flops_per_token(target_cfg, head_cfg, seq_len: int, steps: int) -> float:
@@ -45,6 +56,25 @@ def flops_per_token(target_cfg, head_cfg, seq_len: int, steps: int) -> float:
     return target + 6 * (steps * per_step + fc) + steps * attention
 
 
+def step_kernels(events, warmup: int) -> tuple[int, list[tuple[str, float, float]]]:
+    """The device work of the training steps after the first `warmup`, from a profiler's events: CUDA kernels that
+    start inside a step's range (it ends with the step's sync, so they finish inside it too); off CUDA, the
+    operators a step calls directly. -> (steps, [(name, launches a step, ms a step)], most time first)."""
+    steps = sorted((e for e in events if e.name == STEP_RANGE and e.device_type == DeviceType.CPU),
+                   key=lambda e: e.time_range.start)[warmup:]
+    if any(e.device_type == DeviceType.CUDA for e in events):
+        spans = [(s.time_range.start, s.time_range.end) for s in steps]
+        work = [e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_RANGE
+                and any(start <= e.time_range.start <= end for start, end in spans)]
+    else:
+        work = [op for s in steps for op in s.cpu_children]
+    launches, micros = collections.Counter(e.name for e in work), collections.Counter()
+    for e in work:
+        micros[e.name] += e.time_range.elapsed_us()
+    n = max(len(steps), 1)
+    return len(steps), [(name, launches[name] / n, us / n / 1e3) for name, us in micros.most_common()]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.train.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -53,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--output", type=Path, help="run directory (default: a temporary one)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="run under torch.profiler and list a measured step's N costliest kernels (the step "
+                        "times then carry the profiler's overhead)")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe, args.set)
     synthetic = recipe.data.synthetic
@@ -67,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     head_cfg = head_config(recipe.model, target_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         output = args.output or Path(tmp)
-        train(recipe, output)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) if args.profile else contextlib.nullcontext() as profiler:
+            train(recipe, output)
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         lines = (output / "metrics.jsonl").read_text().splitlines()
@@ -85,6 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(result))
     print(f"{tokens_per_gpu:,.0f} tokens/s per GPU, {flops / 1e9:.1f} GFLOP/token, {tflops:.0f} TFLOP/s, "
           f"MFU {100 * result['mfu']:.1f}% of {args.peak_tflops:.0f} (median of {len(seconds)} steps of {step:.3f} s)")
+    if args.profile:
+        steps, kernels = step_kernels(profiler.events(), args.warmup)
+        unit, calls = ("kernels", "launches") if torch.cuda.is_available() else ("operators", "calls")
+        print(f"under the profiler; {unit} of a step (mean of {steps} steps): "
+              f"{sum(k[1] for k in kernels):.0f} {calls}, {sum(k[2] for k in kernels):.1f} ms")
+        for name, per_step, ms in kernels[: args.profile]:
+            print(f"  {per_step:7.1f}x {ms:9.3f} ms  {name[:110]}")
 
 
 if __name__ == "__main__":

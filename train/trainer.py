@@ -231,6 +231,10 @@ def evaluate(module: TTTModule, target: TargetModel, batches: Sequence[Batch], a
     return _summary(totals, module.steps, len(batches))
 
 
+# A training step's `torch.profiler` range (`python -m eyas.train.bench --profile` reads it).
+STEP_RANGE = "eyas.train_step"
+
+
 def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after`, SIGTERM or SIGINT
     stopped it (the latter two after the step in progress, checkpointed: rerunning resumes there)."""
@@ -295,23 +299,25 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
             # Sums over this optimizer step's micro-batches: loss, then per unroll step correct and counted tokens.
             totals = torch.zeros(1 + 2 * steps, dtype=torch.float64, device=device)
             lr = schedule.get_last_lr()[0]  # the lr of this step's update (the schedule advances after it)
-            for _ in range(recipe.optim.grad_accum):
-                position, batch = next(stream)
-                position += 1
-                seen += int(batch["attention_mask"].sum())  # on the host copy: no wait for the device
-                batch = {k: v.to(device) for k, v in batch.items()}
-                aux, logits = target_states(target, batch, aux_layers)
-                out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
-                engine.backward(out.loss)
-                engine.step()
-                totals += _totals(out)
+            # The range ends with the step's one wait for the device, so the step's kernels all run inside it.
+            with torch.profiler.record_function(STEP_RANGE):
+                for _ in range(recipe.optim.grad_accum):
+                    position, batch = next(stream)
+                    position += 1
+                    seen += int(batch["attention_mask"].sum())  # on the host copy: no wait for the device
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    aux, logits = target_states(target, batch, aux_layers)
+                    out = engine(embed, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
+                    engine.backward(out.loss)
+                    engine.step()
+                    totals += _totals(out)
+                # + 1 element: how many ranks were signalled. It rides on the metrics' all-reduce, so every rank
+                # agrees to stop after the same step without a collective of its own.
+                totals = torch.cat([totals, totals.new_tensor([stop.name is not None])])
+                if world_size > 1:
+                    dist.all_reduce(totals)
+                totals = totals.cpu()  # the metrics and the flag are read on the host
             step += 1
-            # + 1 element: how many ranks were signalled. It rides on the metrics' all-reduce, so every rank
-            # agrees to stop after the same step without a collective of its own.
-            totals = torch.cat([totals, totals.new_tensor([stop.name is not None])])
-            if world_size > 1:
-                dist.all_reduce(totals)
-            totals = totals.cpu()  # the step's one wait for the device: the metrics and the flag are read on the host
             totals, signalled = totals[:-1], bool(totals[-1])
             summary = _summary(totals, steps, recipe.optim.grad_accum * world_size)
             grad_norm = engine.get_global_grad_norm()
