@@ -64,7 +64,8 @@ def step_kernels(events, warmup: int) -> tuple[int, list[tuple[str, float, float
                    key=lambda e: e.time_range.start)[warmup:]
     if any(e.device_type == DeviceType.CUDA for e in events):
         spans = [(s.time_range.start, s.time_range.end) for s in steps]
-        work = [e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_RANGE
+        # Not the device-side copies of profiler ranges (this step's, torch.compile's), which span kernels.
+        work = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
                 and any(start <= e.time_range.start <= end for start, end in spans)]
     else:
         work = [op for s in steps for op in s.cpu_children]
