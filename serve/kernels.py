@@ -349,18 +349,23 @@ def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_
     # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
     follow(PDL)
-    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-    acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] fp32
+    acc = _rows_chunk(x_rows, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), m_ok, k, K)  # [BLOCK_M, BLOCK_N] fp32
     for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
-        k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+        acc = _rows_chunk(x_rows, w, acc, m_ok, kk, K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@jit
+def _rows_chunk(x_rows, w, acc, m_ok, kk, K):
+    """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K]: acc [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T,
+    w [BLOCK_N, BLOCK_K] the chunk's weights."""
+    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+    return tl.dot(x, tl.trans(w), acc)
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:
