@@ -4,13 +4,14 @@
     bench-eagle --random-weights --arch llama-3.1-8b --batch-sizes 1 --trees 7,1,8 5,4,8 6,8,48 --input-len 1024
     bench-eagle ... --autotune autotune.json        # the fastest setting per batch size, read by serve-eagle
 
-For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over
-the same prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus
-included), the mean decode step split into draft / verify / accept (KV moves, draft extension,
-bookkeeping), output tokens/s over the whole run (prefill included; after an untimed run of the same work, which
-compiles the kernels), and the speedup over speculation off at the same batch size. `--compare-hf` times Hugging
-Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step
-costs are what such a run measures.
+For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over the same
+prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus included), the mean
+decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping), the host time a decode
+step spends outside those three (scheduling, block tables, input copies: the device idles through it), output
+tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
+and the speedup over speculation off at the same batch size. `--compare-hf` times Hugging Face `generate` on the
+batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step costs are what such a run
+measures.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Result:
     draft_ms: float
     verify_ms: float
     accept_ms: float
+    host_ms: float  # a decode step's time outside the three phases: scheduling, block tables, input copies
     tokens_per_s: float
     peak_gib: float  # peak GPU memory allocated during the run (0 on CPU)
     speedup: float = 1.0
@@ -132,6 +134,7 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
         batch_size, format_setting(shape), tau,
         1e3 * (t["draft"] + t["verify"] + t["accept"]) / steps,
         1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
+        1e3 * (t["decode"] - t["draft"] - t["verify"] - t["accept"]) / steps,
         generated / seconds, torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
     )
 
@@ -249,11 +252,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  batch {bs} tree {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
     print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
-          f"{'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
+          f"{'host':>6} {'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
     for r in results:
         print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
-              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.step_vs_off:>6.2f} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} "
-              f"{r.peak_gib:>8.1f}")
+              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.host_ms:>6.2f} {r.step_vs_off:>6.2f} {r.tokens_per_s:>8.1f} "
+              f"{r.speedup:>7.2f} {r.peak_gib:>8.1f}")
     if args.device.startswith("cuda"):
         served = target.model.layers[0].mlp.kernels.linear
         floors = {"cuBLAS": weight_streaming_floor_ms(target)}

@@ -183,8 +183,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        # While `profile` (from the config; a benchmark may switch it): seconds per phase (prefill, draft,
-        # verify, accept) and the decode step count.
+        # While `profile` (from the config; a benchmark may switch it): seconds per phase (prefill, and each decode
+        # step's draft, verify and accept, within its whole "decode") and the decode step count.
         self.profile = self.config.profile
         self.timings: defaultdict[str, float] = defaultdict(float)
         self.decode_steps = 0
@@ -266,7 +266,8 @@ class Engine:
                 self._prefill(pending)
         elif self.running:
             self.decode_steps += 1
-            self._decode(self._ensure_blocks())
+            with self._phase("decode"):  # the three phases and the host work between them
+                self._decode(self._ensure_blocks())
 
     def _prefill_batch(self) -> list[Request]:
         """The requests whose prompts this step prefills: one chunk each, as many as fit `max_prefill_tokens`
