@@ -40,7 +40,8 @@ SERVE_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "serve"
 
 def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
     """A serving recipe (a path, or a name in recipes/serve/) as command-line flags: its keys are the flags'
-    names with underscores (`num_steps: 5` is `--num-steps 5`); an unknown key is an error naming it."""
+    names with underscores (`num_steps: 5` is `--num-steps 5`, `disable_cuda_graph: true` is the bare switch,
+    `speculative: off` is `--speculative off`); an unknown key is an error naming it."""
     path = Path(recipe) if Path(recipe).exists() else SERVE_RECIPES / f"{recipe}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml"))
@@ -48,12 +49,20 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
     values = yaml.safe_load(path.read_text()) or {}
     if not isinstance(values, dict):
         parser.error(f"{path}: expected a mapping of flag names to values")
-    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "recipe")}
     args = []
     for key, value in values.items():
-        if key not in flags or key in ("help", "recipe"):
-            parser.error(f"{path}: unknown key {key!r}; known keys: {sorted(set(flags) - {'help', 'recipe'})}")
-        args += [flags[key], str(value)]
+        if key not in actions:
+            parser.error(f"{path}: unknown key {key!r}; known keys: {sorted(actions)}")
+        action, flag = actions[key], actions[key].option_strings[-1]
+        if action.nargs == 0:  # a switch: given when true
+            if not isinstance(value, bool):
+                parser.error(f"{path}: {key} is true or false, got {value!r}")
+            args += [flag] if value else []
+        elif isinstance(value, bool) and action.choices and "on" in action.choices:  # YAML reads on/off as booleans
+            args += [flag, "on" if value else "off"]
+        else:
+            args += [flag, str(value)]
     return args
 
 

@@ -25,6 +25,24 @@ def test_unknown_recipe_key_is_named(tmp_path, capsys):
     assert "unknown key 'num_stepz'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("line, graphs, speculative", [("disable_cuda_graph: true", True, "on"),
+                                                       ("disable_cuda_graph: false", False, "on"),
+                                                       ("speculative: off", False, "off")])
+def test_recipe_switches_and_on_off(tmp_path, line, graphs, speculative):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: smollm2-135m-instruct\ndraft: {tmp_path}\n{line}\n")
+    args = parse_args(["--recipe", str(recipe)])
+    assert (args.disable_cuda_graph, args.speculative) == (graphs, speculative)
+
+
+def test_recipe_switch_takes_a_boolean(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("disable_cuda_graph: 1\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--recipe", str(recipe)])
+    assert "disable_cuda_graph is true or false, got 1" in capsys.readouterr().err
+
+
 def test_autotune_file_is_read_and_checked(tmp_path, capsys):
     path = tmp_path / "autotune.json"
     path.write_text('{"best_setting_by_batch_size": {"1": "7,1,8", "32": "off"}}')
