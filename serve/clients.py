@@ -92,16 +92,25 @@ class EndpointClient(Client):
     `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
     texts and token counts only. A prompt too long for the server's context (HTTP 400, code
     `context_length_exceeded`, as serve-eagle and OpenAI send it) is refused here too, with a warning; any other
-    failure raises."""
+    failure raises. `model` None: the first model the endpoint lists (serve-eagle serves one)."""
 
-    def __init__(self, base_url: str, model: str, params: SamplingParams, max_new_tokens: int):
+    def __init__(self, base_url: str, model: str | None, params: SamplingParams, max_new_tokens: int,
+                 transport=None):
         import httpx
 
         self.base_url = base_url
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600)
-        self.body = {"model": model, "max_tokens": max_new_tokens, "temperature": params.temperature,
-                     "top_p": params.top_p}
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600, transport=transport)
+        self.body = {"model": model or self._served_model(), "max_tokens": max_new_tokens,
+                     "temperature": params.temperature, "top_p": params.top_p}
         self.pending: set[Future] = set()
+
+    def _served_model(self) -> str:
+        response = self.client.get("/models")
+        models = response.json().get("data") if response.status_code == 200 else None
+        if not models:
+            raise RuntimeError(f"{self.base_url}: GET /models gave HTTP {response.status_code} "
+                               f"{response.text[:200]!r}, no model to send; name one with --model")
+        return models[0]["id"]
 
     def _one(self, prompt: Conversation) -> Answer | None:
         response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})

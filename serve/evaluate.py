@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
     parser.add_argument("--endpoint", help="a running server's base URL (e.g. http://127.0.0.1:8000/v1)")
     parser.add_argument("--endpoint-off", help="the same target served with --speculative off, for the speedup")
-    parser.add_argument("--model", default="default", help="the model name sent to the endpoints")
+    parser.add_argument("--model", help="the model name sent to the endpoints (default: the first each lists)")
     parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
     parser.add_argument("--limit", type=int, help="only the first N questions")
     add_tree_arguments(parser, TreeShape(7, 1, 8))

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True, help="JSONL to write (resumed if it exists)")
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
     parser.add_argument("--endpoint", help="an OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--model", default="default", help="the model name sent to --endpoint")
+    parser.add_argument("--model", help="the model name sent to --endpoint (default: the first it lists)")
     parser.add_argument("--limit", type=int, help="regenerate only the first N conversations")
     parser.add_argument("--batch-size", type=int, default=64, help="conversations in flight at once")
     parser.add_argument("--max-new-tokens", type=int, default=1024)

@@ -25,6 +25,7 @@ from eyas.common.assets import asset_path
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import load_tokenizer
 from eyas.serve.api import create_app
+from eyas.serve.clients import EndpointClient
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.text import TextStream
@@ -177,6 +178,14 @@ def test_stop_strings(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert server.idle()
     assert server.metric("eyas_requests_finished_total", reason="abort") == 0
+
+
+def test_endpoint_client_finds_the_served_model(server):
+    """eval-eagle / regeneration through serve-eagle with no --model: the client sends the name the server lists,
+    and reads the acceptance statistics."""
+    client = EndpointClient(f"{server.url}/v1", None, SamplingParams(temperature=0), 4)
+    (answer,) = client.answer([QUESTION])
+    assert client.body["model"] == MODEL and answer.new_tokens > 0 and answer.accepted
 
 
 def test_models_health_metrics(server):

@@ -98,6 +98,9 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, 
     sent = []
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "served", "object": "model"}]})
+        assert json.loads(request.content)["model"] == "served"
         prompt = json.loads(request.content)["messages"][-1]["content"]
         sent.append(prompt)
         if prompt in errors:
@@ -106,9 +109,18 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, 
         return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": "ok"}}],
                                          "usage": {"completion_tokens": 2}, "eyas": {"accepted_per_step": [1]}})
 
-    client = EndpointClient("http://fake/v1", "m", SamplingParams(temperature=0), 8)
-    client.client = httpx.Client(base_url="http://fake/v1", transport=httpx.MockTransport(handle))
+    client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
     return client, sent
+
+
+def test_endpoint_without_models_asks_for_one():
+    """With no --model the client sends the first model the endpoint lists; an endpoint listing none is an error
+    that says what to do."""
+    client, _ = fake_endpoint({})
+    assert client.body["model"] == "served"
+    empty = httpx.MockTransport(lambda request: httpx.Response(404, json={"detail": "Not Found"}))
+    with pytest.raises(RuntimeError, match="GET /models gave HTTP 404.*name one with --model"):
+        EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, empty)
 
 
 def test_endpoint_refusing_a_prompt_skips_it(caplog):
