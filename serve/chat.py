@@ -17,6 +17,7 @@ from eyas.data.tokenizer import render_chat, stop_token_ids
 
 from .commands import load_models
 from .generate import greedy_tokens
+from .text import TextStream
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,19 +40,16 @@ def main(argv: list[str] | None = None) -> None:
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     stops = stop_token_ids(tokenizer)
-    answer: list[int] = []
-    shown = ""
+    text, count = TextStream(tokenizer), 0
     started = time.perf_counter()
     for token in greedy_tokens(model, render_chat(tokenizer, messages), args.max_new_tokens, stop_ids=stops):
         if token in stops:
             break
-        answer.append(token)
-        text = tokenizer.decode(answer)
-        print(text[len(shown):], end="", flush=True)
-        shown = text
+        count += 1
+        print(text.push([token]), end="", flush=True)
     seconds = time.perf_counter() - started
-    print()
-    print(f"[{len(answer)} tokens in {seconds:.1f}s, {len(answer) / seconds:.1f} tokens/s]", file=sys.stderr)
+    print(text.finish())
+    print(f"[{count} tokens in {seconds:.1f}s, {count / seconds:.1f} tokens/s]", file=sys.stderr)
 
 
 if __name__ == "__main__":
