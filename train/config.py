@@ -256,7 +256,7 @@ def recipe_path(recipe: str | Path) -> Path:
     if named.exists():
         return named
     known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-    raise FileNotFoundError(f"recipe {recipe!r}: no such file, nor a recipe in {RECIPES_DIR} (known: {known})")
+    raise ConfigError(f"recipe {recipe!r}: no such file, nor a recipe in {RECIPES_DIR} (known: {known})")
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:

@@ -28,6 +28,7 @@ from datasets import Dataset, concatenate_datasets
 from torch import Tensor
 
 from eyas.common.assets import resolve_asset, resolve_target
+from eyas.common.config import ConfigError
 from eyas.common.hot_vocab import HotVocab
 from eyas.data.dataset import build_dataset
 from eyas.data.hidden_states import HiddenStateDataset
@@ -61,16 +62,16 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     if cfg.synthetic is not None:
         return synthetic_rows(cfg.synthetic, vocab_size)
     if cfg.path is None:
-        raise ValueError("no training data: set data.path or data.synthetic in the recipe")
+        raise ConfigError("no training data: set data.path or data.synthetic in the recipe")
     tokenizer_source = cfg.tokenizer or recipe.model.target
     if tokenizer_source is None:
-        raise ValueError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
+        raise ConfigError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
     sources = cfg.sources()
     paths = [_resolve(s) for s in sources]  # all of them before tokenizing any: a typo fails at once
     for i, path in enumerate(paths):
         if path in paths[:i]:  # its copies could then land in both the training and the held-out rows
             first = sources[paths.index(path)].key
-            raise ValueError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
+            raise ConfigError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
     tokenizer = load_tokenizer(resolve_target(tokenizer_source))
     # Each source is tokenized and cached on its own (keyed on its file), so changing the mix reuses every cache;
     # repeats are not materialized here but applied to the training split (load_data).
@@ -85,7 +86,7 @@ def _resolve(source: Source) -> Path:
     try:
         return resolve_asset(source.path).resolve()
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{source.key}: {e}") from None
+        raise ConfigError(f"{source.key}: {e}") from None
 
 
 def length_groups(lengths: list[int], batch_size: int, bucket: int, rng: random.Random) -> list[list[int]]:
@@ -115,9 +116,9 @@ def load_data(
     lengths = [len(ids) for b in rows.select_columns("input_ids").iter(1000) for ids in b["input_ids"]]
     if states is not None and states.lengths != lengths:
         if states.lengths == lengths[: len(states)]:
-            raise ValueError(f"{states.path}: holds the first {len(states)} of the recipe's {len(rows)} rows; finish "
+            raise ConfigError(f"{states.path}: holds the first {len(states)} of the recipe's {len(rows)} rows; finish "
                              "the dump (rerun train-eagle --dump-hidden-states: it resumes)")
-        raise ValueError(f"{states.path}: dumped from other data (its {len(states)} rows differ in number or length "
+        raise ConfigError(f"{states.path}: dumped from other data (its {len(states)} rows differ in number or length "
                          f"from the recipe's {len(rows)}); dump this recipe's into another directory")
     # Batches collate every column of their rows: leave out load_rows' `source`.
     batch_rows = rows.select_columns(["input_ids", "loss_mask"]) if states is None else states
@@ -132,7 +133,7 @@ def load_data(
     order = rng.sample(range(len(rows)), len(rows))
     n_eval = round(cfg.eval_fraction * len(rows)) if cfg.eval_fraction else 0
     if n_eval >= len(rows):
-        raise ValueError(f"{cfg.path}: {len(rows)} rows leave none for training after holding out {n_eval}")
+        raise ConfigError(f"{cfg.path}: {len(rows)} rows leave none for training after holding out {n_eval}")
     # Split the distinct conversations, then repeat each training one as often as its source says: all copies of a
     # conversation land on the same side. Eval rows count once.
     repeats = [s.repeat for s in cfg.sources()]

@@ -377,7 +377,7 @@ def dump(recipe: TrainRecipe) -> Path:
     its rows (train.data.load_rows) and writes the hidden states `train` then reads into `data.hidden_states`
     (layout: eyas.data.hidden_states). One process on one device; rerun after an interruption, it resumes."""
     if recipe.data.hidden_states is None:
-        raise ValueError("the dump writes into data.hidden_states: set it in the recipe or with --set "
+        raise ConfigError("the dump writes into data.hidden_states: set it in the recipe or with --set "
                          "data.hidden_states=DIR")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("the dump runs in one process: start it with train-eagle, not a distributed launcher")

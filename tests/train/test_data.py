@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.data.vocab import draft_vocab, token_counts
 from eyas.train.batches import micro_batches
@@ -160,7 +161,7 @@ def test_bad_sources_are_named_by_index(conversations, tmp_path, monkeypatch, en
     monkeypatch.chdir(tmp_path)
     values = recipe_values(conversations, tmp_path)
     values["data"]["path"] = [str(conversations), {"path": entry or str(conversations), "repeat": 2}]
-    with pytest.raises((FileNotFoundError, ValueError)) as err:
+    with pytest.raises(ConfigError) as err:
         load_rows(recipe_from_dict(values), 49152)
     for word in words:
         assert word in str(err.value), (word, str(err.value))

@@ -95,16 +95,20 @@ def test_bad_file_names_file_and_key(tmp_path):
 
 
 def test_unknown_recipe_name():
-    with pytest.raises(FileNotFoundError, match="ci-tiny"):
+    with pytest.raises(ConfigError, match="ci-tiny"):
         recipe_path("no-such-recipe")
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["optim.warmup_steps=100", "optim.total_steps=2"], ["optim", "warmup_steps <= total_steps"]),
-    (["optim.warmupsteps=1"], ["unknown key 'optim.warmupsteps'"]),
+@pytest.mark.parametrize("recipe, overrides, words", [
+    ("ci-tiny", ["optim.warmup_steps=100", "optim.total_steps=2"], ["optim", "warmup_steps <= total_steps"]),
+    ("ci-tiny", ["optim.warmupsteps=1"], ["unknown key 'optim.warmupsteps'"]),
+    ("no-such-recipe", [], ["recipe 'no-such-recipe': no such file", "ci-tiny"]),
+    ("ci-tiny", ["data.synthetic=null", "data.path=missing.jsonl", "data.tokenizer=smollm2-135m-instruct"],
+     ["data.path: ", "'missing.jsonl' is neither an existing path"]),
 ])
-def test_cli_reports_a_bad_recipe_as_a_usage_error(overrides, words, capsys, tmp_path):
-    argv = ["--recipe", "ci-tiny", "--output", str(tmp_path)]
+def test_cli_reports_a_bad_recipe_as_a_usage_error(recipe, overrides, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--recipe", recipe, "--output", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_:
         main(argv + [arg for item in overrides for arg in ("--set", item)])
     assert exit_.value.code == 2
