@@ -215,7 +215,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if self.room(len(prompt)) < 0:
+        if self.room(len(prompt)) < 1:
             raise PromptTooLong(
                 f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
             )
@@ -225,8 +225,10 @@ class Engine:
         return request
 
     def room(self, prompt_len: int) -> int:
-        """New tokens a prompt of `prompt_len` tokens leaves room for in this engine's context (≤ 0: none)."""
-        return self.context_limit - self.reserve - prompt_len
+        """New tokens that a prompt of `prompt_len` tokens surely has room for in this engine's context (< 1: it
+        cannot run): the prefill's, then one a decode step while a step's tree fits (`reserve`); a speculative
+        step may add a few more."""
+        return self.context_limit - self.reserve - prompt_len + 1
 
     def abort(self, request: Request) -> None:
         """Ends a request now and frees its blocks (a client that went away)."""

@@ -247,6 +247,22 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     assert [r.output for r in generate(ps, GREEDY, max_new_tokens=12)] == [r.output for r in fresh]
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_room_is_what_a_prompt_gets(target, speculative):
+    """A prompt gets `room` new tokens when nothing else stops it (speculation: at least as many); the longest
+    prompt that runs gets one."""
+    engine = Engine(target, random_head(target), EngineConfig(speculative=speculative, block_size=4, num_blocks=16))
+    longest = engine.context_limit - engine.reserve
+    for length in (longest, longest - 3):
+        (request,) = engine.generate([[5] * length], GREEDY, max_new_tokens=1000)
+        got = len(request.output)
+        assert request.finish_reason == "length" and (got >= engine.room(length) if speculative else
+                                                      got == engine.room(length))
+    assert engine.room(longest) == 1 and engine.room(longest - 3) == 4
+    with pytest.raises(ValueError, match="context holds"):
+        engine.add_request([5] * (longest + 1), GREEDY, max_new_tokens=4)
+
+
 def test_prompt_longer_than_context_is_refused(target):
     engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
     with pytest.raises(ValueError, match="context holds"):
