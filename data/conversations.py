@@ -150,6 +150,16 @@ def _json_lines(text: str) -> Iterator[tuple[str, object]]:
                 yield f"line {number}", e
 
 
+def read_json_lines(path: Path) -> Iterator[tuple[str, dict]]:
+    """(place, record) for each non-blank line of a JSONL file of objects; a line that is not one raises a
+    ValueError naming the file and the line."""
+    for place, record in _json_lines(path.read_text()):
+        if not isinstance(record, dict):
+            what = record if isinstance(record, Exception) else f"expected a JSON object, got {type(record).__name__}"
+            raise ValueError(f"{path}, {place}: {what}")
+        yield place, record
+
+
 def normalize(record: object, format: str | None = None) -> Conversation:
     """One record -> a conversation: an optional system message, then user/assistant turns alternating
     from a user turn. Raises ValueError saying what is wrong with a bad record.

@@ -32,7 +32,7 @@ from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.layers import Kernels, fuse_projections
 from eyas.common.target import TargetModel, default_dtype
-from eyas.data.conversations import read_conversations
+from eyas.data.conversations import read_conversations, read_json_lines
 from eyas.data.tokenizer import render_chat
 
 from .autotune import format_setting, parse_setting, write_autotune
@@ -83,6 +83,19 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     if not prompts:
         raise ValueError(f"no {name} prompt fits --input-len {max_len}")
     return (prompts * n)[:n]
+
+
+def token_prompts(path: Path) -> list[list[int]]:
+    """A JSONL of {"prompt_ids": [int, ...]} per line -> the prompts."""
+    prompts = []
+    for place, row in read_json_lines(path):
+        ids = row.get("prompt_ids")
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+            raise ValueError(f"{path}, {place}: expected 'prompt_ids', a non-empty list of token ids")
+        prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
 
 
 GREEDY = SamplingParams(temperature=0)
@@ -232,7 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompts in PROMPT_SETS:
         prompts = chat_prompts(args.prompts, tokenizer, n, args.input_len)
     elif args.prompts:
-        prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line]
+        try:
+            prompts = token_prompts(Path(args.prompts))
+        except (OSError, ValueError) as e:
+            parser.error(f"--prompts: {e}")
         prompts = (prompts * n)[:n]
     else:
         g = torch.Generator().manual_seed(0)

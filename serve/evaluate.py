@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.common.assets import asset_path
-from eyas.data.conversations import Conversation
+from eyas.data.conversations import Conversation, read_json_lines
 
 from .clients import Client, EndpointClient, EngineClient
 from .commands import add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
@@ -84,16 +84,17 @@ def load_questions(bench: str) -> list[list[str]]:
     if not path.exists():
         raise FileNotFoundError(f"--bench {bench!r}: not mt-bench, humaneval or an existing JSONL file")
     questions = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for place, row in read_json_lines(path):
         if "prompt" in row:
             questions.append([row["prompt"]])
         elif "messages" in row:
-            questions.append([m["content"] for m in row["messages"] if m["role"] == "user"])
+            try:
+                questions.append([m["content"] for m in row["messages"] if m["role"] == "user"])
+            except (KeyError, TypeError):
+                raise ValueError(f"{path}, {place}: 'messages' should be a list of {{role, content}} objects, got "
+                                 f"{row['messages']!r:.80}") from None
         else:
-            raise ValueError(f"{path}, line {number}: expected a 'prompt' or 'messages' field")
+            raise ValueError(f"{path}, {place}: expected a 'prompt' or 'messages' field")
     return questions
 
 
@@ -240,7 +241,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--concurrency must be at least 1")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
 
-    questions = load_questions(args.bench)[: args.limit]
+    try:
+        questions = load_questions(args.bench)[: args.limit]
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
     params = SamplingParams(temperature=args.temperature)
     settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
                 "concurrency": args.concurrency}

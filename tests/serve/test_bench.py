@@ -43,6 +43,18 @@ def test_chat_prompt_set_with_random_weights_is_a_usage_error(capsys):
     assert exit_info.value.code == 2 and "real --target's tokenizer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, words", [('{"prompt_ids": [1, 2]}\n{"prompt": "Hi"}\n', "p.jsonl, line 2: expected "
+                                                                                       "'prompt_ids'"),
+                                         ('{"prompt_ids": [1, 2]\n', "p.jsonl, line 1: Expecting ',' delimiter"),
+                                         ("\n", "p.jsonl: no prompts")])
+def test_bad_token_prompt_file_is_a_usage_error(tmp_path, capsys, text, words):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--random-weights", "--arch", "tiny", "--prompts", str(path), "--device", "cpu"])
+    assert exit_info.value.code == 2 and f"--prompts: {path.parent}/{words}" in capsys.readouterr().err
+
+
 def test_autotune_file_errors_name_the_entry(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps({"best_setting_by_batch_size": {"4": "off", "1": "7,1,8", "16": "5,4,8"}}))

@@ -31,6 +31,29 @@ def test_packaged_benchmarks_load():
     assert len(load_questions("humaneval")) == 164
 
 
+@pytest.mark.parametrize("lines, words", [
+    (['{"prompt": "Hi"}', '{"prompt": "Hi",}'], ["q.jsonl, line 2: ", "Expecting property name"]),
+    (['{"prompt": "Hi"}', '', '["Hi"]'], ["q.jsonl, line 3: expected a JSON object, got list"]),
+    (['{"messages": [{"content": "Hi"}]}'], ["q.jsonl, line 1: 'messages' should be a list of {role, content}"]),
+    (['{"question": "Hi"}'], ["q.jsonl, line 1: expected a 'prompt' or 'messages' field"]),
+])
+def test_bad_prompt_file_is_named_by_line(tmp_path, capsys, lines, words):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "unused", "--draft", "unused", "--bench", str(path)])  # before any loading
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and all(word in err for word in words), err
+
+
+def test_prompt_file_questions(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"prompt": "One"}\n\n{"messages": [{"role": "system", "content": "S"}, '
+                    '{"role": "user", "content": "Two"}, {"role": "assistant", "content": "A"}, '
+                    '{"role": "user", "content": "Three"}]}\n')
+    assert load_questions(str(path)) == [["One"], ["Two", "Three"]]
+
+
 @pytest.mark.parametrize("tree, flag", [(["--num-steps", "3"], "--num-draft-tokens 8"),  # a chain of 3 holds 4
                                         (["--topk", "0"], "--topk 0")])
 def test_eval_eagle_rejects_an_impossible_tree(tree, flag, capsys):
