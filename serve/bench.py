@@ -38,7 +38,7 @@ from eyas.data.tokenizer import render_chat
 from .autotune import format_setting, parse_setting, write_autotune
 from .commands import add_engine_arguments, engine_options, load_models, tree_setting
 from .draft import TreeShape
-from .engine import Engine, EngineConfig, Request
+from .engine import Engine, EngineConfig, Request, step_reserve
 from .evaluate import load_questions
 from .sampling import SamplingParams
 
@@ -108,7 +108,7 @@ def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     graphs are captured on first use: seconds that a serving process pays once, and a timed first run would charge
     to one setting."""
     block_size = 16
-    longest = max(len(p) for p in prompts) + max_new_tokens + 128  # + the largest tree's scratch
+    longest = max(len(p) for p in prompts) + max_new_tokens + step_reserve([shape] if shape else [])
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
                           block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
     engine = Engine(target, head if shape else None, config)
@@ -206,17 +206,20 @@ def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench-eagle", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name")
-    parser.add_argument("--draft", help="a draft head directory (default with --random-weights: a random head)")
+    parser.add_argument("--draft", help="a draft head directory")
     parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
-    parser.add_argument("--random-weights", action="store_true", help="random target and head of --arch")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random target and head of --arch, instead of --target and --draft")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
     parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
                         "template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: random "
                         "tokens of --input-len)")
     parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128, help="new tokens a prompt (at least 2: the first "
+                        "comes from the prefill, the decode steps after it are what is timed)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--num-prompts", type=int, default=1,
                         help="prompts per batch size, that batch size at a time (never fewer than the batch size; "
@@ -231,8 +234,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     dtype = default_dtype(args.device)
-    if args.prompts in PROMPT_SETS and args.random_weights:  # before building a model it could not use
-        parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
+    if args.output_len < 2:
+        parser.error(f"--output-len must be at least 2, got {args.output_len}")
+    if args.random_weights:  # before building a model
+        if args.prompts in PROMPT_SETS:
+            parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
+        unused = [flag for flag, value in (("--target", args.target), ("--draft", args.draft),
+                                          ("--token-map", args.token_map), ("--compare-hf", args.compare_hf)) if value]
+        if unused:
+            parser.error(f"--random-weights measures a random model of --arch: {', '.join(unused)} would be ignored")
 
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)
@@ -290,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         fastest = {bs: max((r for r in results if r.batch_size == bs), key=lambda r: r.tokens_per_s)
                    for bs in args.batch_sizes}
         write_autotune(args.autotune, {bs: parse_setting(r.setting) for bs, r in fastest.items()})
-    if args.compare_hf and not args.random_weights:
+    if args.compare_hf:
         hf = hf_tokens_per_s(path, prompts[:args.num_prompts], args.output_len, args.device, dtype)
         best = max((r.tokens_per_s for r in results if r.batch_size == 1), default=None)
         vs = f"; eyas best at batch 1 on the same prompts: {best:.1f} tok/s ({best / hf:.2f}x)" if best else ""

@@ -160,8 +160,7 @@ class Engine:
             torch.cuda.empty_cache()  # the separate weights' memory, cached by the allocator, is free for the KV pool
         self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if head is not None else ()
         self.trees = [shape for _, shape in self.tree_by_batch if shape is not None]
-        # Positions a decode step may write beyond the cached ones: the tree (or the root), the draft's scratch.
-        self.reserve = 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in self.trees])
+        self.reserve = step_reserve(self.trees)
         bs = self.config.block_size
         num_blocks = self.config.num_blocks or self._auto_blocks(head, dtype)
         self.pool = KVPool(tcfg.num_hidden_layers, num_blocks, bs, tcfg.num_key_value_heads, tcfg.head_dim,
@@ -508,6 +507,12 @@ class Engine:
         else:
             tokens = self.config.cpu_kv_tokens
         return max(tokens // self.config.block_size, 1)
+
+
+def step_reserve(trees: list[TreeShape]) -> int:
+    """Positions a decode step may write beyond the cached ones: the largest tree (or the root), or the draft's
+    scratch, and one more."""
+    return 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in trees])
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:

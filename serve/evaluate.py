@@ -213,7 +213,8 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eval-eagle", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
     parser.add_argument("--draft", help="the draft head directory (in-process)")
     parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")

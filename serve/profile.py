@@ -75,7 +75,8 @@ def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], ne
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.profile", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="smollm2-135m", choices=sorted(ARCHITECTURES))
     parser.add_argument("--trees", type=tree_setting, nargs="+", default=[None, TreeShape(6, 8, 48)],
                         help="settings: off or num_steps,topk,num_draft_tokens (default: off 6,8,48)")

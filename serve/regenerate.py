@@ -147,7 +147,8 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.regenerate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="conversation file, or a packaged data set (sharegpt)")
     parser.add_argument("--output", type=Path, required=True, help="JSONL to write (resumed if it exists)")
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")

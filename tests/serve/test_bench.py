@@ -3,9 +3,11 @@
 import json
 
 import pytest
+import torch
 
+from eyas.common.architectures import random_target
 from eyas.serve.autotune import read_autotune, setting_for
-from eyas.serve.bench import main
+from eyas.serve.bench import generate_all, main, random_head, warm_engine
 from eyas.serve.draft import TreeShape
 
 
@@ -35,6 +37,24 @@ def test_bad_tree_is_a_usage_error(tree, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--random-weights", "--arch", "tiny", "--trees", tree, "--device", "cpu"])
     assert exit_info.value.code == 2 and f"argument --trees: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, words", [(["--output-len", "1"], "--output-len must be at least 2, got 1"),
+                                         (["--draft", "head", "--compare-hf"],
+                                          "--random-weights measures a random model of --arch: --draft, --compare-hf "
+                                          "would be ignored")])
+def test_arguments_it_cannot_use_are_usage_errors(args, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
+        main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_kv_room_for_the_largest_tree():
+    """warm_engine sizes the KV pool so that every prompt gets all its new tokens, whatever the tree."""
+    target = random_target("tiny", torch.float32, "cpu")
+    prompts = [list(range(3, 39))]
+    engine = warm_engine(target, random_head(target), TreeShape(3, 8, 130), prompts, 12, 1)
+    assert [len(r.output) for r in generate_all(engine, prompts, 12, 1)] == [12]
 
 
 def test_chat_prompt_set_with_random_weights_is_a_usage_error(capsys):
