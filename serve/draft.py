@@ -32,7 +32,7 @@ from .tree import DraftKernels, DraftTree, TreeBuilder
 @dataclass(frozen=True)
 class TreeShape:
     """EAGLE-2 tree settings: `num_steps` draft passes (tree depth), `topk` branching, `num_draft_tokens`
-    nodes verified (root included). topk = 1 gives a chain; num_draft_tokens must then be num_steps + 1."""
+    nodes verified (root included). topk = 1 gives a chain of at most num_steps + 1 nodes."""
 
     num_steps: int = 5
     topk: int = 4
