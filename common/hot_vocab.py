@@ -7,7 +7,6 @@ the draft's lm_head). Worked example, target vocab 8, hot ids [1, 2, 5]:
     hot_ids = [1, 2, 5]                  draft index i emits target id hot_ids[i]
     d2t     = [1, 1, 3]                  EAGLE-3 offset layout: target id = i + d2t[i]
     t2d     = [F, T, T, F, F, T, F, F]   True where a target id is in the draft vocab
-    to_draft([5, 0]) = [2, -1]
 
 Orders (the order is part of the trained head: it fixes which lm_head row means which token):
 - EAGLE-3 orders by ascending target id, so `d2t` is non-decreasing. SpecForge builds it so
@@ -83,15 +82,6 @@ class HotVocab:
         """From an EAGLE-3 `d2t [draft_vocab]` offset tensor: target id = i + d2t[i]."""
         d2t = _as_id_tensor(d2t, "d2t")
         return cls(d2t + torch.arange(d2t.numel(), device=d2t.device), vocab_size, source="d2t")
-
-    @classmethod
-    def from_t2d(cls, t2d: Tensor) -> HotVocab:
-        """From an EAGLE-3 `t2d [vocab]` mask alone; the order is then ascending id (the EAGLE-3 order)."""
-        if t2d.dtype != torch.bool or t2d.dim() != 1:
-            raise HotVocabError(
-                f"t2d: expected a 1-D bool tensor, got dtype {t2d.dtype} shape {tuple(t2d.shape)}"
-            )
-        return cls(t2d.nonzero().flatten(), t2d.numel(), source="t2d")
 
     @classmethod
     def from_token_map(
@@ -180,16 +170,6 @@ class HotVocab:
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft indices (any shape, in [0, draft_vocab)) -> target ids, same shape."""
         return self.hot_ids[draft_ids]
-
-    def to_draft(self, target_ids: Tensor) -> Tensor:
-        """Target ids (any shape) -> draft indices, same shape; -1 where not in the draft vocab.
-
-        Ids outside [0, vocab) (e.g. a -100 ignore index) map to -1 too, rather than wrapping around
-        as a negative index would; done with `where`, so no host sync.
-        """
-        inside = (target_ids >= 0) & (target_ids < self.vocab_size)
-        draft = self._draft_index[target_ids.clamp(0, self.vocab_size - 1)]
-        return torch.where(inside, draft, -1)
 
     def restrict_logits(self, target_logits: Tensor) -> Tensor:
         """`[..., vocab]` target logits -> `[..., draft_vocab]`, column i being target id hot_ids[i]
