@@ -93,13 +93,18 @@ class EngineWorker:
     async def submit(
         self, prompt: list[int], params: SamplingParams, max_new_tokens: int, stop_ids=frozenset()
     ) -> Stream:
-        """Queues a request; raises ValueError when the engine rejects it, ShuttingDown after `shutdown`."""
+        """Queues a request; raises ValueError when the engine rejects it, ShuttingDown after `shutdown`. A submitter
+        cancelled while it waits (a client gone) aborts the request: commands run in order, so after its add."""
         if self._closed:
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         stream, added = Stream(loop), loop.create_future()
         self._inbox.put(("add", stream, (prompt, params, max_new_tokens, stop_ids), added))
-        await added
+        try:
+            await added
+        except asyncio.CancelledError:
+            self.abort(stream)
+            raise
         return stream
 
     def abort(self, stream: Stream, reason: str = "abort") -> None:

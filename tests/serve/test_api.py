@@ -365,6 +365,26 @@ def test_worker_shutdown_finishes_or_aborts_in_flight(grace, reason):
     assert not worker._thread.is_alive() and worker.engine.pool.allocator.num_free == 32
 
 
+def test_submitter_cancelled_while_queued_frees_its_request():
+    """A submit cancelled before the engine thread took its request (the client left): the request is aborted
+    once added, so it neither runs to its end nor keeps KV blocks."""
+    target, head = tiny_models()
+    worker = EngineWorker(Engine(target, head, EngineConfig(block_size=16, num_blocks=32)))
+
+    async def run():
+        submitting = asyncio.create_task(worker.submit([1, 2, 3], SamplingParams(temperature=0), max_new_tokens=64))
+        await asyncio.sleep(0)  # the add is queued; the engine thread has not started
+        submitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submitting
+
+    asyncio.run(run())
+    worker.start()
+    worker.shutdown(timeout=30.0)  # waits for whatever runs: an aborted request ends at once
+    assert not worker.engine.has_work() and worker.engine.pool.allocator.num_free == 32
+    assert worker.metrics.registry.get_sample_value("eyas_generation_tokens_total") == 0  # aborted before a step
+
+
 def test_worker_updates_metrics_before_sending_events(monkeypatch):
     """Each event leaves the engine thread after its step's metrics: whoever has an answer reads them current."""
     target, head = tiny_models()
