@@ -8,11 +8,14 @@ run with the same file, tokenizer and config loads Arrow files instead of re-rea
   - the conversations: `Dataset.from_generator`, keyed on the path, size and mtime of the file, the format and
     max_bytes;
   - the tokens: `map`, keyed on that dataset's fingerprint and a hash of the tokenizer and max_length.
+Both are keyed on `SOURCE_STAMP` too, a hash of the code that reads and masks conversations: `datasets` keys a
+module's function on its name, not its code, so a fixed reader would otherwise be served the old rows.
 Skipped records are reported (logged) when the file is read, so only on the first run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,12 @@ from eyas.data.loss_mask import TemplateMismatch, render_with_spans, tokenize_re
 from eyas.data.tokenizer import end_of_turn_id
 
 logger = logging.getLogger(__name__)
+
+# The modules whose code decides the cached rows: this one, the reader, the chat template and the masking.
+SOURCE_STAMP = hashlib.sha256(b"".join(
+    (Path(__file__).parent / name).read_bytes() for name in ("dataset.py", "conversations.py", "loss_mask.py",
+                                                             "tokenizer.py")
+)).hexdigest()[:16]
 
 # A list literal is a list feature in every datasets version (`List` is new in 4.0).
 MESSAGES = Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
@@ -65,7 +74,7 @@ def load_conversations(path: str | Path, config: DataConfig | None = None) -> Da
                 "path": str(path),
                 "format": config.format,
                 "max_bytes": config.max_bytes,
-                "stamp": f"{stat.st_size}-{stat.st_mtime_ns}",
+                "stamp": f"{stat.st_size}-{stat.st_mtime_ns}-{SOURCE_STAMP}",
             },
         )
     except DatasetGenerationError as e:  # datasets wraps the reader's error: show the reader's own message
@@ -87,6 +96,7 @@ def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: 
             "tokenizer": tokenizer,
             "end_of_turn": end_of_turn_id(tokenizer),
             "max_length": config.max_length,
+            "stamp": SOURCE_STAMP,
         },
         remove_columns=["messages"],
         num_proc=config.num_proc,
@@ -107,8 +117,8 @@ def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
 
 
 def _tokenize_batch(
-    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int
-) -> dict[str, list]:
+    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int, stamp: str
+) -> dict[str, list]:  # `stamp` only keys the cache
     rendered = []
     for messages in batch["messages"]:
         try:

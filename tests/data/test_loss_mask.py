@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from eyas.data import dataset
 from eyas.data.conversations import ConversationError
 from eyas.data.dataset import DataConfig, build_dataset, collate
 from eyas.data.loss_mask import TemplateMismatch, render_with_spans, tokenize_conversation
@@ -76,7 +77,7 @@ def test_truncation(smollm2_tokenizer):
     assert cut["input_ids"] == full["input_ids"][:40] and cut["loss_mask"] == full["loss_mask"][:40]
 
 
-def test_dataset_cache_and_collate(smollm2_tokenizer, tmp_path):
+def test_dataset_cache_and_collate(smollm2_tokenizer, tmp_path, monkeypatch):
     path = tmp_path / "chats.jsonl"
     long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
     lines = [{"messages": CHAT}, {"messages": CHAT[1:3]}, {"messages": long_prompt}]
@@ -91,6 +92,13 @@ def test_dataset_cache_and_collate(smollm2_tokenizer, tmp_path):
     assert build_dataset(
         path, smollm2_tokenizer, DataConfig(max_length=50, cache_dir=config.cache_dir)
     )._fingerprint != (ds._fingerprint)
+
+    # Other reading or masking code (its source's stamp) is not served the old rows: datasets keys the tokenizing
+    # function on its name alone.
+    monkeypatch.setattr(dataset, "tokenize_rendered", lambda *args: [{"input_ids": [1, 2], "loss_mask": [0, 1]}])
+    assert len(build_dataset(path, smollm2_tokenizer, config)) == 2  # the cached rows, though the code changed
+    monkeypatch.setattr(dataset, "SOURCE_STAMP", "changed")
+    assert build_dataset(path, smollm2_tokenizer, config)[0] == {"input_ids": [1, 2], "loss_mask": [0, 1]}
 
     batch = collate([ds[0], ds[1]], pad_id=7)
     n0, n1 = len(ds[0]["input_ids"]), len(ds[1]["input_ids"])
