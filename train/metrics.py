@@ -12,18 +12,20 @@ measure the same on held-out conversations after step `step` (step 0: the untrai
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 from .config import LoggingConfig
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
     def __init__(self, path: Path, cfg: LoggingConfig, run_config: dict, resume_step: int):
         self.path = path
-        # A resumed run repeats the steps after its checkpoint: drop their old lines.
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            self._keep_until(resume_step)
         self.wandb = None
         if cfg.wandb_project is not None:
             import wandb
@@ -32,6 +34,23 @@ class MetricsLog:
                 project=cfg.wandb_project, name=cfg.run_name, mode=cfg.wandb_mode, config=run_config,
                 dir=str(path.parent), resume="allow",
             )
+
+    def _keep_until(self, resume_step: int) -> None:
+        """A resumed run repeats the steps after its checkpoint (all of them, the step-0 evaluation included, when it
+        starts afresh): their old lines go. A line cut short by a crash goes too. Rewritten whole, then renamed: a
+        crash meanwhile leaves the old file."""
+        kept = []
+        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                log.warning("%s, line %d: not a metrics record (cut short by a crash?), dropped", self.path, number)
+                continue
+            if resume_step > 0 and step <= resume_step:
+                kept.append(line + "\n")
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, self.path)
 
     def log(self, record: dict) -> None:
         with open(self.path, "a") as f:

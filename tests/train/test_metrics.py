@@ -1,0 +1,31 @@
+"""metrics.jsonl on resume: the lines of the steps a resumed run repeats go, and so does a line a crash cut short."""
+
+import json
+import logging
+
+from eyas.train.config import LoggingConfig
+from eyas.train.metrics import MetricsLog
+
+
+def write(path, records, torn=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + torn)
+
+
+def test_resume_keeps_the_lines_up_to_its_checkpoint(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 0, "split": "eval"}, {"step": 1, "split": "train"}, {"step": 2, "split": "train"},
+               {"step": 2, "split": "eval"}, {"step": 3, "split": "train"}]
+    write(path, records, torn='{"step": 4, "spl')
+    MetricsLog(path, LoggingConfig(), {}, resume_step=2).log({"step": 3, "split": "train", "acc": []})
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:4] + [
+        {"step": 3, "split": "train", "acc": []}]
+    assert "metrics.jsonl, line 6: not a metrics record" in caplog.text and not list(tmp_path.glob("*.partial"))
+
+
+def test_a_fresh_start_drops_every_line(tmp_path, caplog):
+    """No checkpoint: the run starts again at step 0, whose evaluation it logs again."""
+    path = tmp_path / "metrics.jsonl"
+    write(path, [{"step": 0, "split": "eval"}, {"step": 1, "split": "train"}])
+    with caplog.at_level(logging.WARNING):
+        MetricsLog(path, LoggingConfig(), {}, resume_step=0)
+    assert path.read_text() == "" and not caplog.text
