@@ -2,7 +2,8 @@
 
     step_N/engine/             DeepSpeed's files: module, optimizer (ZeRO partitions), lr scheduler
     step_N/rng_rank{R}.pt      python, numpy and torch (CPU + CUDA) RNG states of rank R
-    step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank}; written last
+    step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
+                               that decide which rows a position means (`check_resumable`)}; written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 renames it to `step_N/`, so a directory named
 `step_N` is always complete (a run killed while saving leaves only a `.tmp` that is ignored and replaced).
@@ -20,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from eyas.common.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -44,7 +47,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, root: Path, step: int, position: int, keep_last: int = 0) -> Path:
+def save(engine, root: Path, step: int, position: int, data_order: dict, keep_last: int = 0) -> Path:
     """Writes `root/step_{step}` (all ranks call this); prunes to the newest `keep_last` when > 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
@@ -56,7 +59,8 @@ def save(engine, root: Path, step: int, position: int, keep_last: int = 0) -> Pa
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "position": position}) + "\n")
+        state = {"step": step, "position": position, "data_order": data_order}
+        (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
         shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that died after this step
         os.replace(tmp, final)
         if keep_last > 0:
@@ -72,6 +76,23 @@ def checkpoints(root: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
     return [p for _, p in sorted(found) if (p / "trainer_state.json").exists()]
+
+
+def check_resumable(path: Path, data_order: dict, total_steps: int) -> None:
+    """Raises a ConfigError, before anything loads, when the checkpoint cannot go on under this run's recipe: it is
+    past `optim.total_steps`, or its data order differs (another seed, world size or data setting would make its
+    position point at other rows). Checkpoints written before the data order was recorded are not compared."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state["step"] > total_steps:
+        raise ConfigError(f"{path}: step {state['step']} is past optim.total_steps {total_steps}; raise it to train "
+                          "on, or train into another --output")
+    saved, now = state.get("data_order"), json.loads(json.dumps(data_order))
+    if saved is not None and saved != now:
+        changed = "; ".join(f"{key}: {saved.get(key)!r} then, {now.get(key)!r} now"
+                            for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key))
+        raise ConfigError(f"{path} was trained with other data settings ({changed}), so its data position would "
+                          "mean other rows: resume with the same settings, or train into another --output (with "
+                          "model.init_from=<its run>/final to train its head further)")
 
 
 def load(engine, path: Path) -> dict:

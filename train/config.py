@@ -166,7 +166,7 @@ class TTTConfig:
 class CheckpointConfig:
     every: int = 0  # optimizer steps between checkpoints; 0: none
     keep_last: int = 0  # delete older checkpoints beyond this many; 0: keep all
-    resume: bool = True  # continue from the latest checkpoint under <output>/checkpoints
+    resume: bool = True  # continue from the latest checkpoint under <output>/checkpoints (false: refuse one)
     stop_after: int | None = None  # exit after this step without exporting (a preemption drill)
 
 

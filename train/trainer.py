@@ -235,11 +235,27 @@ def evaluate(module: TTTModule, target: TargetModel, batches: Sequence[Batch], a
 STEP_RANGE = "eyas.train_step"
 
 
+def _data_order(recipe: TrainRecipe, world_size: int) -> dict:
+    """The settings that decide which rows a run's data position means: its data (but the worker count and cache
+    directory), seed, gradient accumulation and world size."""
+    data = {f"data.{key}": value for key, value in recipe.to_dict()["data"].items()
+            if key not in ("num_proc", "cache_dir")}
+    return data | {"seed": recipe.seed, "optim.grad_accum": recipe.optim.grad_accum, "world_size": world_size}
+
+
 def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after`, SIGTERM or SIGINT
     stopped it (the latter two after the step in progress, checkpointed: rerunning resumes there)."""
     output = Path(output)
     rank, local_rank, world_size = _init_distributed()
+    ckpt_root = output / "checkpoints"
+    found = checkpoint.checkpoints(ckpt_root)
+    if found and not recipe.checkpoint.resume:
+        raise ConfigError(f"{ckpt_root}: holds {found[-1].name} of an earlier run and checkpoint.resume is false: "
+                          "resume it, or train into another --output")
+    data_order = _data_order(recipe, world_size)
+    if found:
+        checkpoint.check_resumable(found[-1], data_order, recipe.optim.total_steps)
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
     dtype = _dtype(recipe.model, device)
@@ -251,8 +267,6 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     aux_layers = config.aux_layers_for(target.config)
     data = _prepare_data(recipe, target, aux_layers, rank)
     batches, eval_batches = data.train, data.eval
-    ckpt_root = output / "checkpoints"
-    found = checkpoint.checkpoints(ckpt_root) if recipe.checkpoint.resume else []
     # A checkpoint holds the whole head, vocabulary included: resuming reads neither model.init_from again nor this
     # run's vocabulary. A head trained further keeps its own. Either way this run's vocabulary is not counted.
     model = dataclasses.replace(recipe.model, init_from=None) if found else recipe.model
@@ -336,7 +350,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
                 run_eval()  # even when stopping: a resumed run does not redo this step's evaluation
             saved = bool(recipe.checkpoint.every) and step % recipe.checkpoint.every == 0
             if saved or signalled:
-                path = checkpoint.save(engine, ckpt_root, step, position, recipe.checkpoint.keep_last)
+                path = checkpoint.save(engine, ckpt_root, step, position, data_order, recipe.checkpoint.keep_last)
             if signalled:
                 if rank == 0:
                     tqdm.write(f"train-eagle: stopped by {stop.name or 'a signal to another rank'} at step {step}; "

@@ -142,6 +142,21 @@ def test_loss_falls_on_an_overfit(tmp_path):
     assert records[-1]["acc"][0] > 0.6 and records[-1]["tau"] > 2.5
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["data.synthetic.batch_size=3"], "data.synthetic: {'num_batches': 4, 'batch_size': 2"),
+    (["seed=1"], "seed: 0 then, 1 now"),
+    (["optim.total_steps=5"], "step_8: step 8 is past optim.total_steps 5"),
+    (["checkpoint.resume=false"], "holds step_8 of an earlier run and checkpoint.resume is false"),
+])
+def test_a_checkpoint_resumes_only_where_its_position_means_the_same_rows(full_run, tmp_path, overrides, words):
+    """Refused before anything loads, naming what changed."""
+    _, run = full_run
+    shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ConfigError) as refused:
+        train(load_recipe("ci-tiny", QUIET + overrides), tmp_path)
+    assert words in str(refused.value) and not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_incomplete_checkpoints_are_ignored(tmp_path):
     for name in ("step_2", "step_10", ".step_12.tmp", "step_11"):
         (tmp_path / name).mkdir()
