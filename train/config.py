@@ -161,6 +161,10 @@ class TTTConfig:
     steps: int = 7  # training-time-test unroll depth
     decay: float = 0.8  # step i's loss weighs decay**i
 
+    def __post_init__(self):
+        if self.steps < 1 or not self.decay > 0:
+            raise ValueError(f"need steps >= 1 and decay > 0, got steps {self.steps}, decay {self.decay}")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -168,6 +172,10 @@ class CheckpointConfig:
     keep_last: int = 0  # delete older checkpoints beyond this many; 0: keep all
     resume: bool = True  # continue from the latest checkpoint under <output>/checkpoints (false: refuse one)
     stop_after: int | None = None  # exit after this step without exporting (a preemption drill)
+
+    def __post_init__(self):
+        if min(self.every, self.keep_last, 1 if self.stop_after is None else self.stop_after) < 0:
+            raise ValueError("need every, keep_last and stop_after >= 0")
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,10 @@ class LoggingConfig:
     wandb_mode: str = "offline"
     run_name: str | None = None
     eval_every: int = 0  # optimizer steps between held-out evaluations (also before the first and after the last)
+
+    def __post_init__(self):
+        if self.eval_every < 0:
+            raise ValueError(f"need eval_every >= 0, got {self.eval_every}")
 
 
 @dataclass(frozen=True)
