@@ -73,6 +73,9 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
             first = sources[paths.index(path)].key
             raise ConfigError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
     tokenizer = load_tokenizer(resolve_target(tokenizer_source))
+    if len(tokenizer) > vocab_size:  # its ids would index past the target's embedding
+        raise ConfigError(f"the tokenizer of {tokenizer_source} has {len(tokenizer)} tokens, more than the target's "
+                          f"vocabulary of {vocab_size}: set data.tokenizer to the target's own")
     # Each source is tokenized and cached on its own (keyed on its file), so changing the mix reuses every cache;
     # repeats are not materialized here but applied to the training split (load_data).
     parts = [build_dataset(path, tokenizer, cfg) for path in paths]

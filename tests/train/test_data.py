@@ -152,6 +152,14 @@ def test_changing_the_mix_changes_the_batches_not_the_token_cache(conversations,
     assert alone._fingerprint != rows._fingerprint and len(alone) == 20
 
 
+def test_a_tokenizer_larger_than_the_target_vocabulary_is_refused(conversations, tmp_path):
+    values = recipe_values(conversations, tmp_path)
+    values["model"]["random_target"]["vocab_size"] = 256
+    with pytest.raises(ConfigError, match="tokenizer of smollm2-135m-instruct has 49152 tokens, more than the "
+                                          "target's vocabulary of 256: set data.tokenizer"):
+        load_rows(recipe_from_dict(values), 256)
+
+
 @pytest.mark.parametrize("entry, words", [
     ("missing.jsonl", ["data.path[1]: ", "'missing.jsonl' is neither an existing path nor a packaged data set"]),
     ("no-such-set", ["data.path[1]: ", "'no-such-set'", "sharegpt"]),
