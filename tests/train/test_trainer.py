@@ -245,11 +245,27 @@ def test_sigterm_checkpoints_the_step_in_progress_and_resumes_to_the_same_weight
 
 
 def test_stop_signal_records_signals_and_lets_a_second_ctrl_c_kill():
-    before = signal.getsignal(signal.SIGINT)
-    with StopSignal() as stop:
-        signal.raise_signal(signal.SIGINT)  # a KeyboardInterrupt here would mean no handler was installed
-        assert stop.name == "SIGINT"
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # Ctrl-C again kills
-        signal.raise_signal(signal.SIGTERM)  # what a launcher forwards: still only recorded (else it would kill)
-        assert stop.name == "SIGINT"
-    assert signal.getsignal(signal.SIGINT) is before
+    # Python's own Ctrl-C handler, as in a foreground process (a shell's background job starts with SIGINT ignored,
+    # which StopSignal leaves so).
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGINT)  # a KeyboardInterrupt here would mean no handler was installed
+            assert stop.name == "SIGINT"
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # Ctrl-C again kills
+            signal.raise_signal(signal.SIGTERM)  # what a launcher forwards: still only recorded (else it would kill)
+            assert stop.name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outside)
+
+
+def test_stop_signal_leaves_an_ignored_sigint_ignored():
+    outside = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.name is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outside)
