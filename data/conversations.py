@@ -84,6 +84,7 @@ def read_conversations(
     report.path = str(path)
     with open(path, "rb") as f:
         data = f.read(max_bytes if max_bytes is not None else -1)
+        cut = bool(f.read(1))  # the read stopped inside the file
     # A read cut at max_bytes may split a multi-byte character: drop the partial one.
     text = data.decode("utf-8", errors="ignore" if max_bytes is not None else "strict")
 
@@ -92,7 +93,7 @@ def read_conversations(
             raise ConversationError(f"{path}: {place}: {reason}")
         report.skipped.append((place, reason))
 
-    records = _json_array(text) if text.lstrip().startswith("[") else _json_lines(text)
+    records = _json_array(text) if text.lstrip().startswith("[") else _json_lines(text, cut)
     for place, record in records:
         if record is None:  # the file ended inside a record
             report.truncated = True
@@ -140,9 +141,14 @@ def _json_array(text: str) -> Iterator[tuple[str, object]]:
         index += 1
 
 
-def _json_lines(text: str) -> Iterator[tuple[str, object]]:
-    """(place, record) for each non-blank line; a malformed line yields its JSONDecodeError."""
-    for number, line in enumerate(text.splitlines(), start=1):
+def _json_lines(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
+    """(place, record) for each non-blank line; a malformed line yields its JSONDecodeError. With `cut` (the text
+    stops inside the file), a last line without its newline is the record the cut split: (place, None)."""
+    lines = text.splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        if cut and number == len(lines) and not line.endswith("\n"):
+            yield f"line {number}", None
+            return
         if line.strip():
             try:
                 yield f"line {number}", json.loads(line)

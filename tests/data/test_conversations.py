@@ -96,6 +96,19 @@ def test_truncated_json_array(tmp_path):
         read(tmp_path / "cut.json", strict=True)
 
 
+def test_jsonl_cut_by_max_bytes(tmp_path):
+    """A JSONL read cut inside a line ends with the complete lines, as a cut JSON array does; cut at a line's end,
+    it is not truncated at all."""
+    text = "".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(3))
+    path = write(tmp_path / "chats.jsonl", text)
+    convs, report = read(path, max_bytes=len(text) - 5)
+    assert len(convs) == 2 and report.truncated and not report.skipped
+    with pytest.raises(ConversationError, match="line 3: file ended mid-record"):
+        read(path, max_bytes=len(text) - 5, strict=True)
+    convs, report = read(path, max_bytes=text.index("\n") + 1)
+    assert len(convs) == 1 and not report.truncated and not report.skipped
+
+
 def test_packaged_sharegpt_is_truncated():
     convs, report = read(asset_path("sharegpt"))
     assert report.truncated and report.records == 17671  # the asset's documented count
