@@ -5,8 +5,9 @@
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
                                that decide which rows a position means (`check_resumable`)}; written last
 
-Every rank writes into `.step_N.tmp/`; after a barrier rank 0 renames it to `step_N/`, so a directory named
-`step_N` is always complete (a run killed while saving leaves only a `.tmp` that is ignored and replaced).
+Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
+(`durable_replace`), so a directory named `step_N` is always complete, even after a power loss (a run killed while
+saving leaves only a `.tmp` that is ignored and replaced); older checkpoints are pruned only after that.
 """
 
 from __future__ import annotations
@@ -61,13 +62,35 @@ def save(engine, root: Path, step: int, position: int, data_order: dict, keep_la
     if rank == 0:
         state = {"step": step, "position": position, "data_order": data_order}
         (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
-        shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that died after this step
-        os.replace(tmp, final)
+        durable_replace(tmp, final)  # a `final` already there: a leftover of a run that died after this step
         if keep_last > 0:
             for old in checkpoints(root)[:-keep_last]:
                 shutil.rmtree(old)
     _barrier()
     return final
+
+
+def durable_replace(tmp: Path, final: Path) -> None:
+    """Puts directory `tmp` at `final` so that a crash or power loss at any moment leaves under that name the old
+    version, the new one whole, or nothing: `tmp`'s files and directories are flushed to disk first, and an old
+    `final` is renamed aside, not deleted, until the new one is in place."""
+    for path in [*tmp.rglob("*"), tmp]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    aside = final.with_name(f".{final.name}.old")
+    shutil.rmtree(aside, ignore_errors=True)
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)  # the renames themselves
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def checkpoints(root: Path) -> list[Path]:

@@ -168,8 +168,7 @@ def _atomic_export(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    checkpoint.durable_replace(tmp, path)
 
 
 def _verifier_architectures(cfg: ModelConfig) -> list[str]:

@@ -157,6 +157,25 @@ def test_a_checkpoint_resumes_only_where_its_position_means_the_same_rows(full_r
     assert words in str(refused.value) and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_durable_replace_flushes_everything_then_swaps(tmp_path, monkeypatch):
+    """Every file and directory of the new checkpoint reaches the disk before the rename, the renames after it; the
+    old directory of the same name is replaced whole."""
+    final, tmp = tmp_path / "step_4", tmp_path / ".step_4.tmp"
+    final.mkdir()
+    (final / "stale.pt").write_text("old")
+    (tmp / "engine").mkdir(parents=True)
+    (tmp / "engine" / "weights.pt").write_text("new")
+    (tmp / "trainer_state.json").write_text("{}")
+    flushed, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: flushed.append(Path(os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    checkpoint.durable_replace(tmp, final)
+    assert sorted(p.relative_to(final).as_posix() for p in final.rglob("*")) == [
+        "engine", "engine/weights.pt", "trainer_state.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step_4"]  # neither the tmp nor the old one is left
+    assert set(flushed[:-1]) == {tmp / "engine", tmp / "engine" / "weights.pt", tmp / "trainer_state.json", tmp}
+    assert flushed[-1] == tmp_path  # the directory that holds the renames, after them
+
+
 def test_incomplete_checkpoints_are_ignored(tmp_path):
     for name in ("step_2", "step_10", ".step_12.tmp", "step_11"):
         (tmp_path / name).mkdir()
