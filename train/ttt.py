@@ -178,8 +178,7 @@ def ttt_loss(
     Under data parallelism each rank normalises by its own count; per_step_count allows a global reweighting.
 
     Memory: target_logits [B, T, V] may be large (V = 152k: 0.6 GB per 2048-token row in bf16); only its argmax
-    needs the full vocab, the labels use the draft columns. A trainer can instead pass the logits computed from
-    the target's final hidden states by its lm_head in chunks, or just the restricted logits and argmax.
+    needs the full vocab, the labels use the draft columns.
     """
     T = input_ids.shape[1]
     if attention_mask is None:
