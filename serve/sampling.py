@@ -67,7 +67,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samplin
     temp = per_row([p.temperature for p in plist], torch.float32)
     greedy = temp == 0
     x = x / torch.where(greedy, 1.0, temp)
-    top_k = per_row([p.top_k if p.top_k > 0 else V for p in plist], torch.long).clamp(max=V)
+    top_k = per_row([min(p.top_k, V) if p.top_k > 0 else V for p in plist], torch.long)  # any int: no overflow
     top_p = per_row([p.top_p for p in plist], torch.float32)
 
     if any(0 < p.top_k < V or p.top_p < 1 for p in plist):

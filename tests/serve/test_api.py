@@ -161,6 +161,10 @@ def test_top_k_extension(server):
                                          extra_body={"top_k": 1})
     greedy = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
     assert out.choices[0].message.content == greedy.choices[0].message.content  # top-1 sampling is greedy
+    # Past the vocabulary, however large (the schema bounds it from below only): no filtering, and no error.
+    huge = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=1.0,
+                                          extra_body={"top_k": 2**70})
+    assert huge.choices[0].finish_reason == "length"  # an engine error ends it otherwise
 
 
 def test_stop_strings(server):

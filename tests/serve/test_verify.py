@@ -245,6 +245,9 @@ def test_target_probs_filters():
     p = target_probs(logits, SamplingParams(top_p=0.7))
     assert torch.equal(p[0] > 0, torch.tensor([True, True, False, False]))
     assert torch.allclose(p.sum(-1), torch.ones(2))
+    # A top_k past the vocabulary (the API bounds it from below only) keeps every token, however large.
+    for huge in (4, 5, 2**70):
+        assert torch.equal(target_probs(logits, [SamplingParams(top_k=huge)] * 2), full)
     mixed = target_probs(logits, [SamplingParams(temperature=0), SamplingParams(temperature=2.0)])
     assert torch.equal(mixed[0], torch.tensor([1.0, 0, 0, 0]))
     assert torch.allclose(mixed[1], (logits[1] / 2).softmax(-1))
