@@ -12,10 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+# A temperature below this is greedy: logits divided by it overflow float32 (inf, then NaN probabilities) long
+# before the distribution would differ from one-hot (vLLM's threshold too).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax)
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy (argmax)
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     seed: int | None = None  # per-request generator seed (see `make_generator`); None = the shared one
@@ -32,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -45,7 +49,7 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
     """logits [B, ..., V] -> float32 probabilities [B, ..., V]: temperature, then top-k, then top-p,
-    renormalised. Greedy rows (temperature 0) become one-hot at the argmax.
+    renormalised. Greedy rows (temperature below GREEDY_BELOW) become one-hot at the argmax.
 
     `params` is one SamplingParams for every row, or a list of B (one per leading row). Per-row values
     become [B, 1, ..., 1] tensors, so mixed batches run in one vectorised pass, no loop over rows.
@@ -65,7 +69,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samplin
         return torch.tensor(values, dtype=dtype, device=x.device).reshape(shape)
 
     temp = per_row([p.temperature for p in plist], torch.float32)
-    greedy = temp == 0
+    greedy = per_row([p.greedy for p in plist], torch.bool)
     x = x / torch.where(greedy, 1.0, temp)
     top_k = per_row([min(p.top_k, V) if p.top_k > 0 else V for p in plist], torch.long)  # any int: no overflow
     top_p = per_row([p.top_p for p in plist], torch.float32)

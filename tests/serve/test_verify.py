@@ -250,4 +250,8 @@ def test_target_probs_filters():
         assert torch.equal(target_probs(logits, [SamplingParams(top_k=huge)] * 2), full)
     mixed = target_probs(logits, [SamplingParams(temperature=0), SamplingParams(temperature=2.0)])
     assert torch.equal(mixed[0], torch.tensor([1.0, 0, 0, 0]))
+    # A temperature too small to divide by (float32 overflows to inf, then NaN) is greedy, as 0 is.
+    for tiny in (1e-6, 1e-40, 1e-300):
+        assert torch.equal(target_probs(logits, [SamplingParams(temperature=tiny)] * 2), target_probs(
+            logits, SamplingParams(temperature=0)))
     assert torch.allclose(mixed[1], (logits[1] / 2).softmax(-1))
