@@ -62,6 +62,19 @@ class _Strict(BaseModel):
     # Unknown fields are errors; no coercion ("1" is not an int, 1 is not a bool).
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @field_validator("*")
+    @classmethod
+    def _unicode(cls, value):
+        """Text must be Unicode that encodes: JSON's "\\ud800" escape parses into a lone surrogate, which no
+        tokenizer (nor an error message) takes."""
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("a lone UTF-16 surrogate (\\ud800-\\udfff) is not text") from None
+        return value
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -146,11 +159,17 @@ class APIError(Exception):
         self.status, self.body = status, _error_body(message, *args, **kwargs)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool"}
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     """The first problem, naming its field: "messages.0.role: Input should be 'system', 'user' or 'assistant'"."""
     errors = exc.errors()
-    first = errors[0]
-    loc = [str(part) for part in first["loc"] if part != "body"]
+    # A value that fits no member of a union fails once per member: the deepest failure is the telling one (the
+    # bad text part of a list, not "content: not a string").
+    first = max(errors, key=lambda e: len(e["loc"]))
+    # Loc parts that name union members ("str", "list[TextPart]", "function-after[...]") are not fields.
+    loc = [str(part) for part in first["loc"] if part != "body" and part not in _TYPE_TAGS and "[" not in str(part)]
     if first["type"] == "json_invalid":
         return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     if not loc:

@@ -231,6 +231,12 @@ BAD = [  # (body, status, field named in the message, words in the message)
     ({"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages", "context"),
     ({"model": "gpt-4", "messages": QUESTION}, 404, "model", "does not exist"),
     ([1, 2], 400, None, "JSON object"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages", "surrogate"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400,
+     "messages", "surrogate"),
+    ({"model": "\ud800", "messages": QUESTION}, 400, "model", "surrogate"),
+    ({"model": MODEL, "messages": QUESTION, "stop": ["\ud800"]}, 400, "stop", "surrogate"),
+    ({"model": MODEL, "messages": QUESTION, "stop": 5}, 400, "stop", "stop: input should be a valid string"),
 ]
 
 
@@ -248,8 +254,9 @@ def test_bad_input(server, body, status, field, words):
 
 
 def test_bad_completion_prompt(server):
-    for prompt, words in [(LONG_PROMPT, "context"), ("", "empty")]:
-        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt})
+    for prompt, words in [(LONG_PROMPT, "context"), ("", "empty"), ("hawk \ud800", "surrogate")]:
+        r = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"model": MODEL, "prompt": prompt}),
+                       headers={"content-type": "application/json"})  # json.dumps escapes a lone surrogate
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert (r.json()["error"]["code"] == "context_length_exceeded") == (prompt == LONG_PROMPT)  # what clients skip
         assert words in r.json()["error"]["message"]
