@@ -43,19 +43,23 @@ def read_autotune(path: Path) -> TreeByBatch:
     """The file's settings, checked: errors name the file and the entry at fault."""
     try:
         table = json.loads(Path(path).read_text())[KEY]
+        if not isinstance(table, dict):
+            raise TypeError(f"{KEY} is a {type(table).__name__}")
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not an autotune file ({{\"{KEY}\": {{batch size: setting}}}}): {e!r}") from e
-    out = []
+    out = {}
     for batch, setting in table.items():
         try:
             if not batch.isdigit() or int(batch) < 1:
                 raise ValueError(f"batch size must be a positive integer, got {batch!r}")
-            out.append((int(batch), parse_setting(setting)))
+            if int(batch) in out:
+                raise ValueError(f"batch size {int(batch)} is given twice")
+            out[int(batch)] = parse_setting(setting)
         except (ValueError, AttributeError) as e:
             raise ValueError(f"{path}: entry {batch!r}: {e}") from e
     if not out:
         raise ValueError(f"{path}: no settings")
-    return tuple(sorted(out, key=lambda pair: pair[0]))
+    return tuple(sorted(out.items()))
 
 
 def setting_for(table: TreeByBatch, batch: int) -> TreeShape | None:
