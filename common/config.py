@@ -222,8 +222,10 @@ class TargetConfig:
         bias = cfg.get("attention_bias", False)
         values.update(qkv_bias=bias, o_bias=bias)
         values.update(_FAMILIES[model_type])
-        # Within a sliding window attention is plain causal attention: cap the context there.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # Within a sliding window attention is plain causal attention: cap the context there. Qwen2/Qwen3 configs
+        # carry a window they use only with use_sliding_window (default false, as transformers reads them); Mistral's
+        # has no such switch.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
         if isinstance(window, int) and isinstance(values.get("max_position_embeddings"), int):
             values["max_position_embeddings"] = min(values["max_position_embeddings"], window)
         return build_dataclass(cls, values, source=source)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from eyas.common.attention import CausalAttention, MaskedAttention
+from eyas.common.config import TargetConfig
 from eyas.common.target import TargetModel
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, hf_config_dict
 
 TOL = 1e-4
 
@@ -28,6 +29,19 @@ def test_parity_with_transformers(family, hf_checkpoint):
         assert (ours[i] - ref.hidden_states[i]).abs().max() <= TOL, f"hidden state entering layer {i}"
     assert (out.hidden - ref.hidden_states[n]).abs().max() <= TOL
     assert (logits - ref.logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family, switch, context", [("qwen2", {}, 4096), ("qwen3", {"use_sliding_window": True}, 1024),
+                                                     ("mistral", {}, 1024)])
+def test_sliding_window_caps_the_context_only_where_used(family, switch, context):
+    """As transformers reads them: Qwen's window applies only with use_sliding_window; Mistral's always."""
+    from transformers import AutoConfig
+
+    values = hf_config_dict(family, sliding_window=1024, max_position_embeddings=4096, **switch)
+    cfg = TargetConfig.from_hf(values, source="config.json")
+    assert cfg.max_position_embeddings == context
+    uses = AutoConfig.for_model(**values).sliding_window is not None
+    assert uses == (context == 1024)
 
 
 def test_aux_layers_default(hf_checkpoint):
