@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import AttentionMetadata
-from .config import ConfigError, RopeConfig, build_dataclass, read_layer_fields, write_layer_fields
+from .config import ConfigError, RopeConfig, build_dataclass, read_layer_fields
 from .hot_vocab import HotVocab
 from .layers import MLP, Attention, RMSNorm, Rotary
 from .target import TargetOutput
@@ -55,14 +55,6 @@ class EagleConfig:
         if "bias" in cfg:
             values["fc_bias"] = cfg["bias"]
         return build_dataclass(cls, values, source=source)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": [EAGLE_ARCHITECTURE],
-            **write_layer_fields(self),
-            "num_hidden_layers": self.num_hidden_layers,
-            "bias": self.fc_bias,
-        }
 
 
 class EagleLayer(nn.Module):

@@ -29,6 +29,12 @@ from .target import TargetOutput
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
+def is_eagle3_config(cfg: Mapping[str, Any]) -> bool:
+    """An EAGLE-3 head's config.json: its own architecture name, or SpecForge's Llama one with a draft vocabulary."""
+    arch = (cfg.get("architectures") or [None])[0]
+    return arch == EAGLE3_ARCHITECTURE or (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg)
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     hidden_size: int
@@ -76,14 +82,13 @@ class Eagle3Config:
         if not all(0 <= i <= target.num_hidden_layers for i in layers):
             raise ValueError(
                 f"aux layers {layers} do not exist in a target of {target.num_hidden_layers} layers "
-                "(the default [2, L//2, L-3] needs at least 4 layers)"
+                "(the default [2, L//2, L-3] needs at least 3 layers)"
             )
         return layers
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str) -> Eagle3Config:
-        arch = (cfg.get("architectures") or [None])[0]
-        if arch != EAGLE3_ARCHITECTURE and not (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg):
+        if not is_eagle3_config(cfg):
             raise ConfigError(
                 f"{source}: field 'architectures' is {cfg.get('architectures')!r}; expected "
                 f"['{EAGLE3_ARCHITECTURE}'] (or ['LlamaForCausalLM'] with 'draft_vocab_size')"

@@ -22,7 +22,7 @@ import torch
 from .checkpoint import CheckpointError, load_strict, read_weights_dir, save_safetensors
 from .config import ConfigError, read_json
 from .eagle import EAGLE_ARCHITECTURE, EagleConfig, EagleHead
-from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
+from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, is_eagle3_config
 from .hot_vocab import HotVocab
 from .target import TargetModel
 
@@ -35,10 +35,9 @@ def head_kind(cfg: dict[str, Any], source: str) -> str:
         if cfg["speculators_model_type"] != "eagle3":
             raise ConfigError(f"{source}: speculators_model_type {cfg['speculators_model_type']!r} is not supported")
         return "speculators"
-    arch = (cfg.get("architectures") or [None])[0]
-    if arch == EAGLE3_ARCHITECTURE or (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg):
+    if is_eagle3_config(cfg):
         return "eagle3"
-    if arch in (EAGLE_ARCHITECTURE, "LlamaForCausalLM"):
+    if (cfg.get("architectures") or [None])[0] in (EAGLE_ARCHITECTURE, "LlamaForCausalLM"):
         return "eagle"
     raise ConfigError(
         f"{source}: field 'architectures' is {cfg.get('architectures')!r}; expected "

@@ -44,6 +44,19 @@ def test_sliding_window_caps_the_context_only_where_used(family, switch, context
     assert uses == (context == 1024)
 
 
+@pytest.mark.parametrize("layers, ok", [(2, False), (3, True)])
+def test_default_aux_layers_need_three_target_layers(layers, ok):
+    from eyas.common.eagle3 import Eagle3Config
+
+    target = TargetConfig.from_hf(hf_config_dict("llama", num_hidden_layers=layers), source="config.json")
+    head = Eagle3Config.for_target(target, 64)
+    if ok:
+        assert head.aux_layers_for(target) == (2, 1, 0)
+    else:
+        with pytest.raises(ValueError, match=r"needs at least 3 layers"):
+            head.aux_layers_for(target)
+
+
 def test_aux_layers_default(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     model = TargetModel.from_pretrained(path)
