@@ -10,9 +10,10 @@ Endpoints:
   GET  /v1/models, /health, /metrics (Prometheus; see metrics.py)
 
 Streaming answers are server-sent events (`data: {chunk}\\n\\n`, ending with `data: [DONE]\\n\\n`); with
-`stream_options: {"include_usage": true}` a last chunk with empty `choices` carries `usage`. `stop` strings are
-matched on the decoded text; the output ends before the stop string, with finish_reason "stop". Stop tokens
-(eos, end of turn) end the output too and are not shown. `top_k` is an extension (0 or -1 = off).
+`stream_options: {"include_usage": true}` (streaming only) a last chunk with empty `choices` carries `usage`, the
+others `usage: null`. `stop` strings are matched on the decoded text; the output ends before the stop string,
+with finish_reason "stop". Stop tokens (eos, end of turn) end the output too and are not shown. `top_k` is an
+extension (0 or -1 = off).
 
 Every response, and the last chunk of a stream, carries an extension field on speculative decoding:
 
@@ -43,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 from transformers import PreTrainedTokenizerBase
 
@@ -114,6 +115,13 @@ class _Generation(_Strict):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
 
     @field_validator("stop")
     @classmethod
@@ -302,8 +310,8 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
         chunk_head = {**head, "object": "chat.completion.chunk"} if chat else head
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-        def event(data: dict) -> str:
-            return f"data: {json.dumps({**chunk_head, **data})}\n\n"
+        def event(data: dict) -> str:  # with include_usage every chunk has `usage`: null but on the last one
+            return f"data: {json.dumps({**chunk_head, **({'usage': None} if include_usage else {}), **data})}\n\n"
 
         async def sse() -> AsyncIterator[str]:
             if chat:

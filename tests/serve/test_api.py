@@ -132,6 +132,7 @@ def test_chat_streamed_equals_not_streamed(server):
     assert streamed == text and reason == full.choices[0].finish_reason
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all("usage" in chunk.model_fields_set and chunk.usage is None for chunk in chunks[:-1])
     assert extension(chunks[-1]) == stats
 
 
@@ -237,6 +238,8 @@ BAD = [  # (body, status, field named in the message, words in the message)
     ({"model": "\ud800", "messages": QUESTION}, 400, "model", "surrogate"),
     ({"model": MODEL, "messages": QUESTION, "stop": ["\ud800"]}, 400, "stop", "surrogate"),
     ({"model": MODEL, "messages": QUESTION, "stop": 5}, 400, "stop", "stop: input should be a valid string"),
+    ({"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only allowed when stream is true"),
 ]
 
 
