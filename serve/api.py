@@ -341,7 +341,7 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompt = tokenizer(body.prompt, add_special_tokens=False).input_ids
+        prompt = tokenizer(body.prompt).input_ids  # with the tokenizer's BOS, if it adds one (as a chat template does)
         return await respond(request, body, prompt, await start(body, prompt, "prompt"), chat=False)
 
     @app.get("/v1/models")

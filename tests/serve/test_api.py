@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import itertools
 import json
@@ -56,12 +57,12 @@ def tiny_models() -> tuple[TargetModel, object]:
 class Server:
     """uvicorn serving the tiny models in a thread, on a free loopback port."""
 
-    def __init__(self, speculative: bool = True, num_blocks: int = 128):
+    def __init__(self, speculative: bool = True, num_blocks: int = 128, tok=None):
         target, head = tiny_models()
         config = EngineConfig(speculative=speculative, tree=TreeShape(3, 2, 5), block_size=16, num_blocks=num_blocks)
         self.worker = EngineWorker(Engine(target, head, config))
         self.metrics = self.worker.metrics
-        self.app = create_app(self.worker, tokenizer(), MODEL)
+        self.app = create_app(self.worker, tok or tokenizer(), MODEL)
         self.num_blocks = num_blocks
 
     def __enter__(self) -> Server:
@@ -145,6 +146,19 @@ def test_completion_streamed_equals_not_streamed(server):
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     assert extension(chunks[-1]) == extension(full)  # without include_usage: on the finish chunk
     assert full.usage.completion_tokens > 0
+
+
+def test_completion_prompt_gets_the_tokenizers_bos():
+    """A raw completion prompt is tokenized as its tokenizer does by default: with a BOS where it adds one (Llama 3,
+    Mistral; SmolLM2's adds none, so a copy is given one here)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer())
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    assert tok("The eyas").input_ids[0] == 0
+    with Server(speculative=False, num_blocks=32, tok=tok) as bos, contextlib.closing(bos.client()) as client:
+        out = client.completions.create(model=MODEL, prompt="The eyas", max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens == len(tok("The eyas").input_ids) == len(tokenizer()("The eyas").input_ids) + 1
 
 
 def test_sampling_with_seed_is_reproducible(server):
