@@ -24,6 +24,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from eyas.common.architectures import ARCHITECTURES, random_target
+from eyas.common.profiling import per_step, work_in
 from eyas.common.target import default_dtype
 
 from .autotune import format_setting
@@ -50,27 +51,14 @@ def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], ne
     cuda = engine.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         engine.generate([prompt], GREEDY, new_tokens)
-    steps = max(engine.decode_steps, 1)
     events = prof.events()
     spans = collections.defaultdict(list)
     for e in events:
-        if e.name.startswith("eyas."):
+        if e.name.startswith("eyas.") and e.device_type == DeviceType.CPU:
             spans[e.name[5:]].append(e)
-    result = {}
-    for phase in PHASES:
-        if cuda:  # kernels run inside their phase's span: it ends with a sync
-            ranges = [(s.time_range.start, s.time_range.end) for s in spans[phase]]
-            launched = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("eyas.")
-                        and any(a <= e.time_range.start <= b for a, b in ranges)]
-        else:  # the operators the phase calls directly
-            launched = [child for span in spans[phase] for child in span.cpu_children]
-        count, micros = collections.Counter(), collections.Counter()
-        for e in launched:
-            count[e.name] += 1
-            micros[e.name] += e.time_range.end - e.time_range.start
-        kinds = [(name, count[name] / steps, us / steps) for name, us in micros.most_common()]
-        result[phase] = PhaseProfile(len(launched) / steps, kinds)
-    return result
+    works = {phase: work_in(events, spans[phase]) for phase in PHASES}
+    steps = max(engine.decode_steps, 1)
+    return {phase: PhaseProfile(len(work) / steps, per_step(work, steps)) for phase, work in works.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {args.arch} {format_setting(shape)}: {unit} a decode step "
               + ", ".join(f"{phase} {p.launches:.1f}" for phase, p in phases.items()))
         for phase, p in phases.items():
-            for name, per_step, us in p.kernels[: args.top]:
-                print(f"  {phase:>6} {per_step:6.1f}x {us:8.1f} us  {name[:100]}")
+            for name, launches, us in p.kernels[: args.top]:
+                print(f"  {phase:>6} {launches:6.1f}x {us:8.1f} us  {name[:100]}")
 
 
 if __name__ == "__main__":

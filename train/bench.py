@@ -20,7 +20,6 @@ measured step (off CUDA: the operators a step calls), which is where a faster st
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import statistics
@@ -35,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from eyas.common.architectures import architecture_config
 from eyas.common.assets import resolve_target
 from eyas.common.checkpoint import target_config
+from eyas.common.profiling import per_step, work_in
 
 from .config import load_recipe
 from .trainer import STEP_RANGE, head_config, train
@@ -57,23 +57,11 @@ def flops_per_token(target_cfg, head_cfg, seq_len: int, steps: int) -> float:
 
 
 def step_kernels(events, warmup: int) -> tuple[int, list[tuple[str, float, float]]]:
-    """The device work of the training steps after the first `warmup`, from a profiler's events: CUDA kernels that
-    start inside a step's range (it ends with the step's sync, so they finish inside it too); off CUDA, the
-    operators a step calls directly. -> (steps, [(name, launches a step, ms a step)], most time first)."""
+    """The device work of the training steps after the first `warmup` (off CUDA: the operators a step calls), from a
+    profiler's events -> (steps, [(name, launches a step, µs a step)], the costliest first)."""
     steps = sorted((e for e in events if e.name == STEP_RANGE and e.device_type == DeviceType.CPU),
                    key=lambda e: e.time_range.start)[warmup:]
-    if any(e.device_type == DeviceType.CUDA for e in events):
-        spans = [(s.time_range.start, s.time_range.end) for s in steps]
-        # Not the device-side copies of profiler ranges (this step's, torch.compile's), which span kernels.
-        work = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-                and any(start <= e.time_range.start <= end for start, end in spans)]
-    else:
-        work = [op for s in steps for op in s.cpu_children]
-    launches, micros = collections.Counter(e.name for e in work), collections.Counter()
-    for e in work:
-        micros[e.name] += e.time_range.elapsed_us()
-    n = max(len(steps), 1)
-    return len(steps), [(name, launches[name] / n, us / n / 1e3) for name, us in micros.most_common()]
+    return len(steps), per_step(work_in(events, steps), len(steps))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         steps, kernels = step_kernels(profiler.events(), args.warmup)
         unit, calls = ("kernels", "launches") if torch.cuda.is_available() else ("operators", "calls")
         print(f"under the profiler; {unit} of a step (mean of {steps} steps): "
-              f"{sum(k[1] for k in kernels):.0f} {calls}, {sum(k[2] for k in kernels):.1f} ms")
-        for name, per_step, ms in kernels[: args.profile]:
-            print(f"  {per_step:7.1f}x {ms:9.3f} ms  {name[:110]}")
+              f"{sum(k[1] for k in kernels):.0f} {calls}, {sum(k[2] for k in kernels) / 1e3:.1f} ms")
+        for name, launches, us in kernels[: args.profile]:
+            print(f"  {launches:7.1f}x {us / 1e3:9.3f} ms  {name[:110]}")
 
 
 if __name__ == "__main__":
