@@ -75,22 +75,23 @@ def durable_replace(tmp: Path, final: Path) -> None:
     version, the new one whole, or nothing: `tmp`'s files and directories are flushed to disk first, and an old
     `final` is renamed aside, not deleted, until the new one is in place."""
     for path in [*tmp.rglob("*"), tmp]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
     aside = final.with_name(f".{final.name}.old")
     shutil.rmtree(aside, ignore_errors=True)
     if final.exists():
         os.replace(final, aside)
     os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)  # the renames themselves
+    _fsync(final.parent)  # the renames themselves
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file's or a directory's entries to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def checkpoints(root: Path) -> list[Path]:
