@@ -76,7 +76,7 @@ def acceptance_stats(accepted: list[int], depth: int) -> Acceptance:
 def load_questions(bench: str) -> list[list[str]]:
     """Each question as its list of user turns."""
     if bench == "mt-bench":
-        return [json.loads(line)["turns"] for line in asset_path("mt-bench").read_text().splitlines() if line]
+        return [row["turns"] for _, row in read_json_lines(asset_path("mt-bench"))]
     if bench == "humaneval":
         with gzip.open(asset_path("humaneval"), "rt") as f:
             return [[json.loads(line)["prompt"]] for line in f if line.strip()]
