@@ -28,17 +28,22 @@ from .draft import TreeShape
 
 def engine_options(args) -> dict:
     """The EngineConfig fields `add_engine_arguments`' options set."""
-    return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph}
+    return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph,
+            "overlap": not args.disable_overlap}
 
 
 def add_engine_arguments(parser) -> None:
-    """The engine options every serving command shares: `--attention` and `--disable-cuda-graph`."""
+    """The engine options every serving command shares: `--attention`, `--disable-cuda-graph` and
+    `--disable-overlap`."""
     parser.add_argument("--attention", choices=BACKENDS, default="auto",
                         help="attention backend: triton (paged kernels, CUDA graphs), flashinfer (needs "
                              "flashinfer-python; no CUDA graphs), torch (reference), or auto: triton on CUDA when "
                              "installed (default)")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="run decode steps eagerly (CUDA graphs are on by default with the triton backend)")
+    parser.add_argument("--disable-overlap", action="store_true",
+                        help="run decode steps one at a time: by default a greedy step is queued before the last "
+                             "one's tokens reach the host, so the host's work between steps overlaps the GPU's")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:

@@ -103,14 +103,13 @@ class Drafter:
         hidden = out.gather(1, last)[:, 0]  # [B, H]
         return hidden, self.head.logits(hidden)  # [B, H], [B, Vd]
 
-    def draft_tree(self, shape: TreeShape, roots: Tensor, states: list[DraftState], lengths: Tensor, table: Tensor
-                   ) -> DraftTree:
-        """roots [B] target ids at positions `lengths` (n); table [B, M] blocks covering n + scratch; `states`
-        may be fewer than B (the rest are padding rows). Returns the tree to verify, tokens as target ids."""
-        hidden = torch.stack([s.hidden for s in states])  # [B', H]
-        logits = torch.stack([s.logits for s in states])
-        if len(states) < len(roots):  # padding rows draft from zeros; their trees are ignored
-            pad = len(roots) - len(states)
+    def draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,
+                   table: Tensor) -> DraftTree:
+        """roots [B'] target ids at positions `lengths` (n); table [B', M] blocks covering n + scratch; hidden [B, H]
+        and logits [B, Vd] the draft's states after its extension (`extend`), B <= B' (the rest are padding rows).
+        Returns the tree to verify, tokens as target ids."""
+        if len(hidden) < len(roots):  # padding rows draft from zeros; their trees are ignored
+            pad = len(roots) - len(hidden)
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
             logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
         draft = functools.partial(self._draft_tree, shape)

@@ -17,6 +17,9 @@ Per batch size the step may draft a different tree, or none (`EngineConfig.tree_
 `bench-eagle --autotune`): the draft is extended with the accepted tokens either way, so it is ready
 whenever the batch size calls for speculation again.
 
+A greedy decode step stays in flight: the next `step` queues the one after it from its device outputs before
+reading its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the device's work.
+
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
 drafting, the target pass (with greedy verification), and the draft's extension along the accepted path with
 its inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work and
@@ -74,6 +77,9 @@ class EngineConfig:
     profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
     attention: str = "auto"  # attention backend: auto, torch or triton (serve/attention)
     cuda_graphs: bool = True  # replay decode-step passes as CUDA graphs (CUDA, with a graph-safe backend)
+    # Queue a greedy decode step before the last one's tokens reach the host (`Engine.step`): the host's work
+    # between steps then runs while the device computes. Off while profiling.
+    overlap: bool = True
 
     def __post_init__(self):
         if not 0 < self.mem_fraction <= 1:
@@ -129,6 +135,21 @@ class Request:
         return new
 
 
+@dataclass(eq=False)
+class DecodeStep:
+    """A decode step whose work is queued on the device: what the step after it starts from (B' rows, padding
+    included) and what `Engine._finish_decode` hands out once the device is done."""
+
+    requests: list[Request]
+    advance: int  # the most positions a request can gain in it: the accepted path and the bonus token
+    n: Tensor  # [B'] cached positions before it
+    num_accepted: Tensor  # [B'] (greedy) or [B]: draft tokens accepted
+    bonus: Tensor  # [B'] or [B]: the token after the accepted path, the next root
+    draft: tuple[Tensor, Tensor] | None  # the draft's hidden [B', H] and logits [B', Vd] after it; None: no head
+    host: Tensor  # [B, 2 + 2N]: num_accepted, bonus, accepted path, tree tokens; on the host once `ready`
+    ready: torch.cuda.Event | None  # None: already there (off CUDA)
+
+
 class PromptTooLong(ValueError):
     """A prompt that leaves no room in the context to answer it."""
 
@@ -181,6 +202,7 @@ class Engine:
         self.table_width = self._blocks_for(self.context_limit) if self.graphs.enabled else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.in_flight: DecodeStep | None = None  # a decode step queued on the device, its tokens not yet handed out
         self._ids = itertools.count()
         # While `profile` (from the config; a benchmark may switch it): seconds per phase (prefill, and each decode
         # step's draft, verify and accept, within its whole "decode") and the decode step count.
@@ -260,6 +282,19 @@ class Engine:
     # ---- scheduling -----------------------------------------------------------------------------
 
     def step(self) -> None:
+        """One prefill or decode step. A greedy decode step is left in flight (`in_flight`): the next call queues
+        the step after it from its device outputs (the same requests, blocks for the most it can accept) and only
+        then waits for its tokens and hands them out, so the host's work between steps overlaps the device's. What
+        the chained step computed for a request that ended meanwhile is dropped."""
+        last, self.in_flight = self.in_flight, None
+        if last is not None:
+            if self._can_chain(last):
+                self.decode_steps += 1
+                with self._phase("decode"):
+                    self.in_flight = self._decode(last.requests, after=last)
+            self._finish_decode(last)
+            if self.in_flight is not None:
+                return
         self._admit()
         pending = self._prefill_batch()
         if pending:
@@ -268,7 +303,7 @@ class Engine:
         elif self.running:
             self.decode_steps += 1
             with self._phase("decode"):  # the three phases and the host work between them
-                self._decode(self._ensure_blocks())
+                self.in_flight = self._decode(self._ensure_blocks())
 
     def _prefill_batch(self) -> list[Request]:
         """The requests whose prompts this step prefills: one chunk each, as many as fit `max_prefill_tokens`
@@ -288,14 +323,32 @@ class Engine:
         return -(-positions // self.pool.block_size)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_batch_size:
-            request = self.waiting[0]
-            need = self._blocks_for(len(request.tokens) + self.reserve)
-            if need > self.pool.allocator.num_free:
-                break
-            self.waiting.popleft()
-            request.blocks = self.pool.allocator.allocate(need)
+        while self._can_admit():
+            request = self.waiting.popleft()
+            request.blocks = self.pool.allocator.allocate(self._blocks_for(len(request.tokens) + self.reserve))
             self.running.append(request)
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.config.max_batch_size and (
+            self._blocks_for(len(self.waiting[0].tokens) + self.reserve) <= self.pool.allocator.num_free)
+
+    def _can_chain(self, last: DecodeStep) -> bool:
+        """Whether the step after `last` may be queued before `last`'s tokens are read: the same requests still run,
+        none waits that could be admitted, and each has room (blocks, then context) for the most `last` can accept
+        and the next step's tree. Gives them the blocks."""
+        requests = last.requests
+        if self.running != requests or self._can_admit():
+            return False
+        reach = [r.cached + last.advance + self.reserve for r in requests]  # positions the next step may write
+        if max(reach) > self.context_limit:
+            return False
+        short = [self._blocks_for(x) - len(r.blocks) for r, x in zip(requests, reach, strict=True)]
+        if sum(max(n, 0) for n in short) > self.pool.allocator.num_free:
+            return False
+        for request, n in zip(requests, short, strict=True):
+            if n > 0:
+                request.blocks += self.pool.allocator.allocate(n)
+        return True
 
     def _ensure_blocks(self) -> list[Request]:
         """Gives every running request blocks for this decode step, preempting the newest when short."""
@@ -382,18 +435,26 @@ class Engine:
                                None if all(g is None for g in generators) else generators)
 
     @torch.no_grad()
-    def _decode(self, requests: list[Request]) -> None:
-        """One decode step for B requests, run on B' >= B rows: with CUDA graphs the batch is padded to its
-        bucket (padding rows have empty prefixes and write only the scratch block)."""
+    def _decode(self, requests: list[Request], after: DecodeStep | None = None) -> DecodeStep | None:
+        """Queues one decode step for B requests, run on B' >= B rows (with CUDA graphs the batch is padded to its
+        bucket; padding rows have empty prefixes and write only the scratch block). Its inputs come from the
+        requests, or `after` the step before, on the device, whose tokens the host has not read yet. Returns the
+        step while its device work runs (`_overlaps`), else None, its tokens handed out."""
         device, B = self.device, len(requests)
         shape = setting_for(self.tree_by_batch, B) if self.drafter is not None else None
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
-        n, roots = torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
-                                 [r.last_token for r in requests] + [0] * pad]).to(device)
+        if after is None:
+            n, roots = torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
+                                     [r.last_token for r in requests] + [0] * pad]).to(device)
+            draft = None if shape is None else (torch.stack([r.draft.hidden for r in requests]),  # [B, H]
+                                                torch.stack([r.draft.logits for r in requests]))  # [B, Vd]
+        else:  # padding rows stay at an empty prefix; the roots are copied, as the graph that wrote them runs again
+            n = torch.where(torch.arange(B + pad, device=device) < B, after.n + after.num_accepted + 1, 0)
+            roots, draft = after.bonus.clone(), after.draft
         table = self._block_table(requests, pad)
         with self._phase("draft"):
             if shape is not None:
-                tree = self.drafter.draft_tree(shape, roots, [r.draft for r in requests], n, table)
+                tree = self.drafter.draft_tree(shape, roots, *draft, n, table)
             else:  # plain decoding (the draft still follows: `_accept` extends it)
                 tree = root_only(roots)
         with self._phase("verify"):
@@ -404,7 +465,16 @@ class Engine:
                 out, logits = self._target_pass(tree, n, table)
                 accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B])
         with self._phase("accept"):
-            self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
+            step = self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
+            if self._overlaps(requests):
+                return step
+            self._finish_decode(step)  # in the phase: profiled steps time it there
+        return None
+
+    def _overlaps(self, requests: list[Request]) -> bool:
+        """Whether a decode step of `requests` stays in flight: greedy ones (sampling verification reads the host
+        during the step), with overlap on and no profiling (which times each step whole)."""
+        return self.config.overlap and not self.profile and all(r.params.greedy for r in requests)
 
     def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, greedy_depth: int | None = None):
         """One target pass over every tree node: node j's KV goes to position n + j; each node sees the prefix
@@ -429,14 +499,15 @@ class Engine:
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, tree: DraftTree, n: Tensor, table: Tensor,
         out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
-    ) -> None:
-        """Keeps the accepted path's KV, extends the draft along it, and hands out the tokens.
+    ) -> DecodeStep:
+        """Keeps the accepted path's KV, extends the draft along it, and queues the copy of the tokens to the host.
         accepted / num_accepted / bonus cover the B requests or the B' padded rows; the other tensors B' rows."""
-        B, N = len(requests), tree.tokens.shape[1]
+        B = len(requests)
+        draft = None
         if self.drafter is not None:
             # Graphs take a fixed length: the deepest path any tree can accept.
             depth = shape.num_steps if shape else 0
-            T = min(depth + 1, N) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
+            T = min(depth + 1, tree.tokens.shape[1]) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
             move = shape is not None and shape.topk > 1
             path, m, last = accepted, num_accepted, bonus
             pad = len(n) - len(num_accepted)  # sampling verifies the B requests only: padding rows accept nothing
@@ -449,13 +520,27 @@ class Engine:
                 self.pool.move(*moves)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
                 hidden, logits = hidden.clone(), logits.clone()
-            states = draft_states(hidden, logits)
+            draft = (hidden, logits)
         # One copy to the host: per request [num_accepted, bonus, accepted path (N), tree tokens (N)].
-        host = torch.cat([num_accepted[:B, None], bonus[:B, None], accepted[:B], tree.tokens[:B]], dim=1).tolist()
-        for b, request in enumerate(requests):
+        host = torch.cat([num_accepted[:B, None], bonus[:B, None], accepted[:B], tree.tokens[:B]], dim=1)
+        ready = None
+        if host.is_cuda:  # queued behind the step's work, into pinned memory; `ready` marks its arrival
+            host, ready = host.to("cpu", non_blocking=True), torch.cuda.Event()
+            ready.record()
+        return DecodeStep(requests, 1 + (shape.num_steps if shape else 0), n, num_accepted, bonus, draft, host, ready)
+
+    def _finish_decode(self, step: DecodeStep) -> None:
+        """Waits for `step`'s tokens and hands them out to its requests that still run."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        host, N = step.host.tolist(), (step.host.shape[1] - 2) // 2
+        states = draft_states(*step.draft) if step.draft is not None else None
+        for b, request in enumerate(step.requests):
+            if request.finished:  # aborted while the step ran, or ended by the step before
+                continue
             m, bonus_token, path_host, tokens_host = host[b][0], host[b][1], host[b][2 : 2 + N], host[b][2 + N :]
             request.cached += m + 1
-            if self.drafter is not None:
+            if states is not None:
                 request.draft = states[b]
                 request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])

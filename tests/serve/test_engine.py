@@ -103,7 +103,8 @@ def check_drafted_tree(target, shape: TreeShape, tol: float):
     served, recomputed = [], []
     kernels = engine.drafter.kernels  # on CUDA the fused ones: the reference drafts with torch's
     engine.drafter.kernels = dataclasses.replace(kernels, top_log_probs=recording(served, kernels.top_log_probs))
-    tree = engine.drafter.draft_tree(shape, torch.tensor([request.last_token], device=device), [request.draft],
+    tree = engine.drafter.draft_tree(shape, torch.tensor([request.last_token], device=device),
+                                     request.draft.hidden[None], request.draft.logits[None],
                                      torch.tensor([request.cached], device=device), engine._block_table([request]))
     tokens, parents = reference_tree(engine, request, shape, recording(recomputed))
     assert len(served) == len(recomputed) == shape.num_steps
@@ -134,8 +135,8 @@ def test_settings_by_batch_size(target, graphs, monkeypatch):
     engine = Engine(target, random_head(target), EngineConfig(tree_by_batch=table, block_size=4, num_blocks=128))
     drafted = []  # (tree, batch) of every drafting step
     draft_tree = engine.drafter.draft_tree
-    monkeypatch.setattr(engine.drafter, "draft_tree", lambda shape, roots, states, *rest: (
-        drafted.append((shape, len(states))), draft_tree(shape, roots, states, *rest))[1])
+    monkeypatch.setattr(engine.drafter, "draft_tree", lambda shape, *rest: (
+        drafted.append((shape, len(engine.running))), draft_tree(shape, *rest))[1])
     requests = [engine.add_request(p, GREEDY, n) for p, n in zip(ps, lengths, strict=True)]
     while engine.has_work():
         engine.step()
@@ -174,6 +175,85 @@ def test_triton_engine_equals_target_greedy(hf_checkpoint, target, shape, graphs
                                                         attention="triton", cuda_graphs=graphs))
         assert engine.graphs.capture == graphs
         assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=24)] == reference
+
+
+def chained_steps(engine: Engine, monkeypatch) -> list[int]:
+    """Records the batch size of every decode step queued from the one before (`Engine.step`'s overlap), and
+    checks that its padding rows stay at an empty prefix (their block tables hold only the scratch block)."""
+    chained, decode = [], engine._decode
+
+    def record(requests, after=None):
+        step = decode(requests, after)
+        if after is not None:
+            chained.append(len(requests))
+            assert not step.n[len(requests):].any()
+        return step
+
+    monkeypatch.setattr(engine, "_decode", record)
+    return chained
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("shape", ["tree", "chain", None])
+def test_overlapped_steps_change_nothing(target, shape, graphs, monkeypatch):
+    """Decode steps queued before the last one's tokens are read (the default) give every request the tokens,
+    acceptance and finish that steps run one at a time give, with requests ending (by stop id and by length) and
+    the batch shrinking while a step is in flight; every block comes back. Speculative and plain, padded to batch
+    buckets (graphs) and not."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
+    ps = prompts(5, target.config.vocab_size, seed=8)
+    stop = list(greedy_tokens(target, ps[1], 6))[-1]  # ends request 1 early
+    lengths = [7, 30, 18, 25, 12]
+    runs = {}
+    for overlap in (False, True):
+        config = EngineConfig(speculative=shape is not None, tree=SHAPES[shape or "tree"], block_size=4,
+                              num_blocks=160, overlap=overlap)
+        engine = Engine(target, random_head(target), config)
+        chained = chained_steps(engine, monkeypatch)
+        requests = [engine.add_request(p, GREEDY, n, {stop}) for p, n in zip(ps, lengths, strict=True)]
+        while engine.has_work():
+            engine.step()
+        runs[overlap] = [(r.output, r.accepted, r.finish_reason) for r in requests]
+        assert engine.pool.allocator.num_free == 160
+        assert bool(chained) == overlap and (not overlap or {5, 1} <= set(chained))
+    assert runs[True] == runs[False]
+    outputs = [list(greedy_tokens(target, p, n)) for p, n in zip(ps, lengths, strict=True)]
+    assert [out for out, *_ in runs[True]] == [o[: o.index(stop) + 1] if stop in o else o for o in outputs]
+    assert runs[True][1][2] == "stop"
+
+
+def test_abort_while_a_step_is_in_flight(target):
+    """A request aborted while its decode step is queued gets none of that step's tokens; its blocks, the extra
+    ones the chained step took included, come back."""
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=64))
+    request = engine.add_request(prompts(1, 257)[0], GREEDY, max_new_tokens=100)
+    while engine.in_flight is None or len(request.output) < 4:
+        engine.step()  # the prefill, then decode steps, each queued before the last one's tokens are handed out
+    emitted = list(request.output)
+    engine.abort(request)
+    assert not engine.has_work() and engine.pool.allocator.num_free == 64
+    engine.step()  # the in-flight step is dropped, not handed out
+    assert request.output == emitted and request.finish_reason == "abort" and engine.in_flight is None
+
+
+def test_a_request_arriving_during_overlapped_steps_is_admitted_at_once(target):
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128))
+    first = engine.add_request(prompts(1, 257)[0], GREEDY, max_new_tokens=60)
+    while engine.in_flight is None:
+        engine.step()
+    second = engine.add_request(prompts(1, 257, seed=1)[0], GREEDY, max_new_tokens=8)
+    engine.step()  # hands out the step in flight, then prefills the newcomer instead of chaining the next
+    assert second in engine.running and second.output and not first.finished
+
+
+def test_no_overlap_near_the_end_of_the_pool(target):
+    """Where the blocks for a chained step run short, steps run one at a time (preempting as they must) and the
+    output stays the target's."""
+    ps = prompts(4, target.config.vocab_size, seed=9)
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["wide"], block_size=4, num_blocks=44))
+    requests = engine.generate(ps, GREEDY, max_new_tokens=24)
+    assert [r.output for r in requests] == [list(greedy_tokens(target, p, 24)) for p in ps]
+    assert engine.pool.allocator.num_free == 44
 
 
 def test_speculation_off_is_plain_decoding(target):
