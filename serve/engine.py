@@ -56,7 +56,7 @@ from .attention.paged import slots_of
 from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
-from .kv_cache import KVPool, OutOfBlocks
+from .kv_cache import KVPool, OutOfBlocks, to_device
 from .sampling import SamplingParams, make_generator
 from .tree import DraftKernels, DraftTree, root_only
 from .verify import verify_greedy, verify_sampling
@@ -444,8 +444,8 @@ class Engine:
         shape = setting_for(self.tree_by_batch, B) if self.drafter is not None else None
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
         if after is None:
-            n, roots = torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
-                                     [r.last_token for r in requests] + [0] * pad]).to(device)
+            n, roots = to_device(torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
+                                               [r.last_token for r in requests] + [0] * pad]), device)
             draft = None if shape is None else (torch.stack([r.draft.hidden for r in requests]),  # [B, H]
                                                 torch.stack([r.draft.logits for r in requests]))  # [B, Vd]
         else:  # padding rows stay at an empty prefix; the roots are copied, as the graph that wrote them runs again

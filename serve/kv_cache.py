@@ -81,4 +81,14 @@ class KVPool:
         # take full-width tables: 8192 columns at 8B's context). A boolean mask fills in row-major order.
         filled = torch.arange(longest) < torch.tensor([len(r) for r in rows])[:, None]  # [B, longest]
         table[: len(rows)][filled] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
-        return F.pad(table.to(device), (0, max(width or 0, longest) - longest), value=self.scratch_block)
+        return F.pad(to_device(table, device), (0, max(width or 0, longest) - longest), value=self.scratch_block)
+
+
+def to_device(x: Tensor, device: torch.device | str | None) -> Tensor:
+    """A host tensor on `device`, without waiting for the device's queued work: to CUDA through pinned memory (a
+    copy from pageable memory waits until the stream's earlier work is done, which would stall a step queued
+    behind the one in flight, `Engine.step`)."""
+    device = torch.device(device) if device is not None else x.device
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

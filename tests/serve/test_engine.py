@@ -14,6 +14,7 @@ from eyas.common.target import TargetModel
 from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.generate import greedy_tokens
+from eyas.serve.kv_cache import to_device
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.tree import TreeBuilder, top_log_probs
 
@@ -244,6 +245,20 @@ def test_a_request_arriving_during_overlapped_steps_is_admitted_at_once(target):
     second = engine.add_request(prompts(1, 257, seed=1)[0], GREEDY, max_new_tokens=8)
     engine.step()  # hands out the step in flight, then prefills the newcomer instead of chaining the next
     assert second in engine.running and second.output and not first.finished
+
+
+@pytest.mark.gpu
+def test_host_tensors_reach_the_gpu_without_waiting_for_queued_work():
+    """The block tables and step inputs a chained step sends (`to_device`) must not wait for the step in flight:
+    a copy from pageable memory would, and the overlap would be lost."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued device work
+    busy = torch.cuda.Event()
+    busy.record()
+    copied = to_device(torch.arange(64, dtype=torch.int32), "cuda")
+    assert not busy.query()  # the host got here while the device was still sleeping
+    torch.cuda.synchronize()
+    assert torch.equal(copied.cpu(), torch.arange(64, dtype=torch.int32))
 
 
 def test_no_overlap_near_the_end_of_the_pool(target):
