@@ -101,7 +101,8 @@ def token_prompts(path: Path) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0)
 
 
-def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Engine:
+def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
+                params: SamplingParams = GREEDY, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None) with KV room for `batch_size` of `prompts`
     and `max_new_tokens` each, after an untimed run of that work (`generate_all`). Triton compiles a kernel variant
     the first time a shape class appears (prompt lengths, batch buckets, acceptance lengths) and each bucket's CUDA
@@ -112,27 +113,29 @@ def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
                           block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
     engine = Engine(target, head if shape else None, config)
-    generate_all(engine, prompts, max_new_tokens, batch_size)
+    generate_all(engine, prompts, max_new_tokens, batch_size, params)
     return engine
 
 
-def generate_all(engine: Engine, prompts, max_new_tokens, batch_size) -> list[Request]:
-    """Greedy generation for every prompt, `batch_size` at a time."""
+def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: SamplingParams = GREEDY
+                 ) -> list[Request]:
+    """Generation for every prompt, `batch_size` at a time."""
     return [r for i in range(0, len(prompts), batch_size)
-            for r in engine.generate(prompts[i:i + batch_size], GREEDY, max_new_tokens)]
+            for r in engine.generate(prompts[i:i + batch_size], params, max_new_tokens)]
 
 
-def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size, **options) -> Result:
+def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
+                params: SamplingParams = GREEDY, **options) -> Result:
     """Generates for every prompt, `batch_size` at a time, after the same untimed run (`warm_engine`): tokens/s
     (prefill included) and τ, unsynchronised; then the step split from the first batch run again with each phase
     timed. `options`: further EngineConfig fields."""
-    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, **options)
+    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, **options)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
     start = time.perf_counter()
-    requests = generate_all(engine, prompts, max_new_tokens, batch_size)
+    requests = generate_all(engine, prompts, max_new_tokens, batch_size, params)
     if cuda:
         torch.cuda.synchronize(engine.device)
     seconds = time.perf_counter() - start
@@ -141,7 +144,7 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     tau = (generated - len(requests)) / verifications if shape else 1.0  # less the prefill's tokens
 
     engine.profile, engine.decode_steps = True, 0
-    engine.generate(prompts[:batch_size], GREEDY, max_new_tokens)
+    engine.generate(prompts[:batch_size], params, max_new_tokens)
     t, steps = engine.timings, max(engine.decode_steps, 1)
     return Result(
         batch_size, format_setting(shape), tau,
@@ -227,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trees", type=tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default 0: greedy); above 0 the draws come from "
+                        "the shared generator, so τ varies a little from run to run")
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
@@ -236,6 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     dtype = default_dtype(args.device)
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
+    try:
+        params = SamplingParams(temperature=args.temperature)
+    except ValueError as e:
+        parser.error(f"--temperature: {e}")
+    if args.compare_hf and not params.greedy:
+        parser.error("--compare-hf times Hugging Face's greedy generate: leave --temperature at 0")
     if args.random_weights:  # before building a model
         if args.prompts in PROMPT_SETS:
             parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
@@ -268,10 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     for bs in args.batch_sizes:
         batch_prompts = prompts[:max(bs, args.num_prompts)]
-        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, **options)
+        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, params, **options)
         results.append(base)
         for shape in args.trees:
-            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, **options)
+            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, params, **options)
             r.speedup = r.tokens_per_s / base.tokens_per_s
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)

@@ -42,8 +42,8 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="run decode steps eagerly (CUDA graphs are on by default with the triton backend)")
     parser.add_argument("--disable-overlap", action="store_true",
-                        help="run decode steps one at a time: by default a greedy step is queued before the last "
-                             "one's tokens reach the host, so the host's work between steps overlaps the GPU's")
+                        help="run decode steps one at a time: by default a step is queued before the last one's "
+                             "tokens reach the host, so the host's work between steps overlaps the GPU's")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:

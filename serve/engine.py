@@ -17,8 +17,8 @@ Per batch size the step may draft a different tree, or none (`EngineConfig.tree_
 `bench-eagle --autotune`): the draft is extended with the accepted tokens either way, so it is ready
 whenever the batch size calls for speculation again.
 
-A greedy decode step stays in flight: the next `step` queues the one after it from its device outputs before
-reading its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the device's work.
+A decode step stays in flight: the next `step` queues the one after it from its device outputs before reading
+its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the device's work.
 
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
 drafting, the target pass (with greedy verification), and the draft's extension along the accepted path with
@@ -56,8 +56,9 @@ from .attention.paged import slots_of
 from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
-from .kv_cache import KVPool, OutOfBlocks, to_device
+from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, make_generator
+from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
 from .verify import verify_greedy, verify_sampling
 
@@ -77,8 +78,8 @@ class EngineConfig:
     profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
     attention: str = "auto"  # attention backend: auto, torch or triton (serve/attention)
     cuda_graphs: bool = True  # replay decode-step passes as CUDA graphs (CUDA, with a graph-safe backend)
-    # Queue a greedy decode step before the last one's tokens reach the host (`Engine.step`): the host's work
-    # between steps then runs while the device computes. Off while profiling.
+    # Queue a decode step before the last one's tokens reach the host (`Engine.step`): the host's work between
+    # steps then runs while the device computes. Off while profiling.
     overlap: bool = True
 
     def __post_init__(self):
@@ -143,8 +144,8 @@ class DecodeStep:
     requests: list[Request]
     advance: int  # the most positions a request can gain in it: the accepted path and the bonus token
     n: Tensor  # [B'] cached positions before it
-    num_accepted: Tensor  # [B'] (greedy) or [B]: draft tokens accepted
-    bonus: Tensor  # [B'] or [B]: the token after the accepted path, the next root
+    num_accepted: Tensor  # [B'] draft tokens accepted
+    bonus: Tensor  # [B'] the token after the accepted path, the next root
     draft: tuple[Tensor, Tensor] | None  # the draft's hidden [B', H] and logits [B', Vd] after it; None: no head
     host: Tensor  # [B, 2 + 2N]: num_accepted, bonus, accepted path, tree tokens; on the host once `ready`
     ready: torch.cuda.Event | None  # None: already there (off CUDA)
@@ -282,7 +283,7 @@ class Engine:
     # ---- scheduling -----------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One prefill or decode step. A greedy decode step is left in flight (`in_flight`): the next call queues
+        """One prefill or decode step. A decode step is left in flight (`in_flight`): the next call queues
         the step after it from its device outputs (the same requests, blocks for the most it can accept) and only
         then waits for its tokens and hands them out, so the host's work between steps overlaps the device's. What
         the chained step computed for a request that ended meanwhile is dropped."""
@@ -412,7 +413,7 @@ class Engine:
             last = torch.tensor([lengths[i] - 1 for i in first], device=device)
             logits = self.target.logits(out.hidden[rows, last][:, None]).float()  # [F, 1, V]
             root = root_only(tokens[rows, last])
-            _, _, sampled = self._verify([requests[i] for i in first], root.tokens, root.parents, logits)
+            _, _, sampled = self._verify([requests[i] for i in first], root.tokens, root.parents, logits, 0)
             for i, token in zip(first, sampled.tolist(), strict=True):
                 self._emit(requests[i], [token])
         if self.drafter is not None:
@@ -426,13 +427,14 @@ class Engine:
                 if not r.finished:
                     r.draft = state
 
-    def _verify(self, requests: list[Request], tokens: Tensor, parents: Tensor, logits: Tensor):
+    def _verify(self, requests: list[Request], tokens: Tensor, parents: Tensor, logits: Tensor, depth: int):
+        """(accepted, num_accepted, bonus) of trees `depth` deep, by each request's sampling parameters."""
         valid = torch.ones_like(tokens, dtype=torch.bool)
         if all(r.params.greedy for r in requests):
-            return verify_greedy(tokens, parents, logits, valid)
+            return verify_greedy(tokens, parents, logits, valid, depth)
         generators = [r.generator for r in requests]  # None throughout: one draw from the shared generator
         return verify_sampling(tokens, parents, logits, valid, [r.params for r in requests],
-                               None if all(g is None for g in generators) else generators)
+                               None if all(g is None for g in generators) else generators, depth)
 
     @torch.no_grad()
     def _decode(self, requests: list[Request], after: DecodeStep | None = None) -> DecodeStep | None:
@@ -463,18 +465,18 @@ class Engine:
                 out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth)
             else:
                 out, logits = self._target_pass(tree, n, table)
-                accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B])
+                accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B],
+                                                             depth)
         with self._phase("accept"):
             step = self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
-            if self._overlaps(requests):
+            if self._overlaps():
                 return step
             self._finish_decode(step)  # in the phase: profiled steps time it there
         return None
 
-    def _overlaps(self, requests: list[Request]) -> bool:
-        """Whether a decode step of `requests` stays in flight: greedy ones (sampling verification reads the host
-        during the step), with overlap on and no profiling (which times each step whole)."""
-        return self.config.overlap and not self.profile and all(r.params.greedy for r in requests)
+    def _overlaps(self) -> bool:
+        """Whether a decode step stays in flight: with overlap on and no profiling (which times each step whole)."""
+        return self.config.overlap and not self.profile
 
     def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, greedy_depth: int | None = None):
         """One target pass over every tree node: node j's KV goes to position n + j; each node sees the prefix
@@ -501,19 +503,21 @@ class Engine:
         out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> DecodeStep:
         """Keeps the accepted path's KV, extends the draft along it, and queues the copy of the tokens to the host.
-        accepted / num_accepted / bonus cover the B requests or the B' padded rows; the other tensors B' rows."""
+        accepted / num_accepted / bonus cover the B requests (padded here) or the B' padded rows; the other tensors
+        B' rows."""
         B = len(requests)
+        pad = len(n) - len(num_accepted)  # sampling verifies the B requests only: padding rows accept nothing
+        if pad:
+            accepted, num_accepted, bonus = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad))
+                                             for x in (accepted, num_accepted, bonus))
         draft = None
         if self.drafter is not None:
             # Graphs take a fixed length: the deepest path any tree can accept.
             depth = shape.num_steps if shape else 0
             T = min(depth + 1, tree.tokens.shape[1]) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
             move = shape is not None and shape.topk > 1
-            path, m, last = accepted, num_accepted, bonus
-            pad = len(n) - len(num_accepted)  # sampling verifies the B requests only: padding rows accept nothing
-            if pad:
-                path, m, last = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad)) for x in (path, m, last))
-            inputs = (path, m, last, tree.tokens, out.hidden, n, table) + ((out.aux,) if out.aux is not None else ())
+            inputs = (accepted, num_accepted, bonus, tree.tokens, out.hidden, n, table) + (
+                (out.aux,) if out.aux is not None else ())
             hidden, logits, *moves = self.graphs(f"accept, path {T}, move {move}",
                                                  functools.partial(self._follow_path, T, move), *inputs)
             if moves:  # eager, after the graph: a move is not idempotent, and a graph's first call runs thrice

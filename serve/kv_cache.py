@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .transfer import to_device
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than asked for; the scheduler queues or preempts instead."""
@@ -83,12 +85,3 @@ class KVPool:
         table[: len(rows)][filled] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
         return F.pad(to_device(table, device), (0, max(width or 0, longest) - longest), value=self.scratch_block)
 
-
-def to_device(x: Tensor, device: torch.device | str | None) -> Tensor:
-    """A host tensor on `device`, without waiting for the device's queued work: to CUDA through pinned memory (a
-    copy from pageable memory waits until the stream's earlier work is done, which would stall a step queued
-    behind the one in flight, `Engine.step`)."""
-    device = torch.device(device) if device is not None else x.device
-    if device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)

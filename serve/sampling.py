@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .transfer import to_device
+
 # A temperature below this is greedy: logits divided by it overflow float32 (inf, then NaN probabilities) long
 # before the distribution would differ from one-hot (vLLM's threshold too).
 GREEDY_BELOW = 1e-5
@@ -65,8 +67,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samplin
         if len(plist) != x.shape[0]:
             raise ValueError(f"got {len(plist)} SamplingParams for {x.shape[0]} rows")
 
-    def per_row(values, dtype):  # -> [] or [B, 1, ..., 1], broadcasting against x
-        return torch.tensor(values, dtype=dtype, device=x.device).reshape(shape)
+    def per_row(values, dtype):  # -> [] or [B, 1, ..., 1], broadcasting against x; queued, not waited for
+        return to_device(torch.tensor(values, dtype=dtype), x.device).reshape(shape)
 
     temp = per_row([p.temperature for p in plist], torch.float32)
     greedy = per_row([p.greedy for p in plist], torch.bool)

@@ -20,8 +20,8 @@ the root predicts 2 = node 1, node 1 predicts 7 = node 2, node 2 predicts 3 but 
 accepted [0, 1, 2, -1], num_accepted 2, bonus 3; the step emits 2, 7, 3.
 
 The loops below run over tree depth / sibling tests (at most N - 1 iterations), never over the
-vocabulary; each iteration is a handful of batched ops. The greedy walk has a fixed length and no host
-reads (the engine captures it with the target pass); the sampling walk stops early, reading on the host.
+vocabulary; each iteration is a handful of batched ops. Both walks have a fixed length and no host reads: the
+engine captures the greedy one with the target pass and queues the sampling one behind it.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def verify_sampling(
     node_valid: torch.Tensor,
     params: SamplingParams | Sequence[SamplingParams],
     generator: Generators = None,
+    max_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs).
 
@@ -86,7 +87,14 @@ def verify_sampling(
     (a sibling repeating an earlier token has q = 0 there and is never accepted, which keeps this true).
     If it is a child, the walk continues from that child, whose logits are the target's given the longer
     prefix, with fresh independent coins; if it is the bonus, the next step starts from it. By the chain
-    rule the emitted sequence is distributed as the target sampling token by token.
+    rule the emitted sequence is distributed as the target sampling token by token. (Stopping at any node and
+    sampling the bonus from its p is exact too: the walk's length bound never biases it.)
+
+    All children of the current node are tested at once: child c_i is the one accepted when its coin passes with
+    the mass R_i left by its rejected elder siblings and no elder's coin passed, which is what testing them one by
+    one gives. So the walk takes one iteration per tree level, a fixed `max_depth` of them (the tree's depth;
+    None: N - 1, which bounds any tree), and reads nothing on the host: the engine queues it behind the target
+    pass without waiting (`Engine.step`).
 
     params: one SamplingParams or one per request. generator: one torch.Generator for the batch, or one
     per request (None entries use the default generator); it must live on the tensors' device. For
@@ -96,46 +104,41 @@ def verify_sampling(
     dev = tokens.device
     rows = torch.arange(B, device=dev)
     probs = target_probs(logits, params)  # [B, N, V] float32
-    first_child, next_sibling = _child_links(parents, node_valid)  # [B, N] each
     # One coin per node (each node is tested at most once, as a child) and one for the bonus.
     coins = _uniforms(B, N + 1, generator, dev)  # [B, N + 1]
+    idx = torch.arange(N, device=dev)
+    # repeat[b, k]: an elder valid sibling of k holds k's token, so k's q is zero when it is tested.
+    same = (parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])  # [B, j, k]
+    repeat = (same & node_valid[:, :, None] & (idx[:, None] < idx)).any(1)  # [B, N]
 
     accepted = torch.full((B, N), -1, dtype=torch.long, device=dev)
     accepted[:, 0] = 0
     num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-    q = probs[:, 0].clone()  # [B, V] remaining target distribution at the current node
-    cand = first_child[:, 0]  # [B] node under test, -1 when the current node has no child left
-    for _ in range(N - 1):  # every iteration tests a new node per live row
-        live = cand >= 0
-        if not live.any():  # host sync; a kernel would not need it
-            break
-        c = cand.clamp(min=0)
-        tok = tokens[rows, c]  # [B]
-        q_tok = q[rows, tok]  # [B]
-        # q keeps positive mass: a rejection needs q_tok < sum(q), so some other token stays > 0.
-        accept = live & (coins[rows, c] < q_tok / q.sum(-1))
-        reject = live & ~accept
-        q[rows, tok] = torch.where(reject, 0.0, q_tok)
-        num_accepted += accept
-        accepted[rows, num_accepted] = torch.where(accept, c, accepted[rows, num_accepted])
-        q = torch.where(accept[:, None], probs[rows, c], q)
-        cand = torch.where(accept, first_child[rows, c], torch.where(reject, next_sibling[rows, c], cand))
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] last accepted node
+    walking = torch.ones(B, dtype=torch.bool, device=dev)  # rows whose last level accepted a child
+    steps = N - 1 if max_depth is None else min(max_depth, N - 1)  # a node at depth d has index >= d
+    for depth in range(1, steps + 1):
+        p = probs[rows, cur]  # [B, V] at the current node
+        children = node_valid & (parents == cur[:, None])  # [B, N], in rank order
+        q = torch.where(children & ~repeat, p.gather(1, tokens), 0.0)  # [B, N] each child's q when tested
+        left = p.sum(-1, keepdim=True) - (q.cumsum(1) - q)  # [B, N] mass left once its elder siblings are rejected
+        nxt = _first_true(walking[:, None] & children & (coins[:, :N] < q / left))  # [B], -1: all rejected
+        found = nxt >= 0
+        accepted[:, depth] = nxt  # rows that stopped earlier keep finding nothing: -1
+        num_accepted += found
+        cur = torch.where(found, nxt, cur)
+        walking = found
+    # The bonus: from the last node's p, less the children a stopped row rejected there.
+    p = probs[rows, cur]
+    rejected = node_valid & (parents == cur[:, None]) & ~walking[:, None]  # [B, N]
+    V = p.shape[-1]
+    q = torch.cat([p, p.new_zeros(B, 1)], 1).scatter_(1, torch.where(rejected, tokens, V), 0.0)[:, :V]
     return accepted, num_accepted, _sample(q, coins[:, N])
 
 
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
     """[..., N] bool -> [...] index of the first True, -1 where none (argmax returns the first max)."""
     return torch.where(mask.any(-1), mask.long().argmax(-1), -1)
-
-
-def _child_links(parents: torch.Tensor, node_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """first_child [B, N] and next_sibling [B, N] (node indices, -1 for none), valid nodes only. Siblings
-    keep index order, which is the draft's rank order. O(N^2) masks: N is at most a few dozen."""
-    idx = torch.arange(parents.shape[1], device=parents.device)
-    valid_k = node_valid[:, None, :]  # [B, 1, N] over the candidate node k
-    is_child = valid_k & (parents[:, None, :] == idx[:, None])  # [B, i, k]: k is a child of i
-    later_sibling = valid_k & (parents[:, None, :] == parents[:, :, None]) & (idx > idx[:, None])  # [B, j, k]
-    return _first_true(is_child), _first_true(later_sibling)
 
 
 def _uniforms(n_rows: int, n: int, generator: Generators, device: torch.device) -> torch.Tensor:

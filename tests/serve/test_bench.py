@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eyas.common.architectures import random_target
+from eyas.serve import engine
 from eyas.serve.autotune import read_autotune, setting_for
 from eyas.serve.bench import generate_all, main, random_head, warm_engine
 from eyas.serve.draft import TreeShape
@@ -39,7 +40,20 @@ def test_bad_tree_is_a_usage_error(tree, message, capsys):
     assert exit_info.value.code == 2 and f"argument --trees: {message}" in capsys.readouterr().err
 
 
+def test_bench_at_a_temperature_samples(monkeypatch, capsys):
+    sampled = []
+    verify_sampling = engine.verify_sampling
+    monkeypatch.setattr(engine, "verify_sampling", lambda *args: sampled.append(args[4]) or verify_sampling(*args))
+    main(["--random-weights", "--arch", "tiny", "--input-len", "16", "--output-len", "6", "--batch-sizes", "2",
+          "--trees", "2,2,4", "--temperature", "0.9", "--device", "cpu"])
+    assert "speedup" in capsys.readouterr().out
+    assert sampled and all(p.temperature == 0.9 for params in sampled for p in params)
+
+
 @pytest.mark.parametrize("args, words", [(["--output-len", "1"], "--output-len must be at least 2, got 1"),
+                                         (["--temperature", "-1"], "--temperature: temperature must be a finite"),
+                                         (["--temperature", "0.7", "--compare-hf"], "--compare-hf times Hugging "
+                                          "Face's greedy generate: leave --temperature at 0"),
                                          (["--draft", "head", "--compare-hf"],
                                           "--random-weights measures a random model of --arch: --draft, --compare-hf "
                                           "would be ignored")])

@@ -14,8 +14,8 @@ from eyas.common.target import TargetModel
 from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.generate import greedy_tokens
-from eyas.serve.kv_cache import to_device
 from eyas.serve.sampling import SamplingParams
+from eyas.serve.transfer import to_device
 from eyas.serve.tree import TreeBuilder, top_log_probs
 
 GREEDY = SamplingParams(temperature=0)
@@ -194,33 +194,36 @@ def chained_steps(engine: Engine, monkeypatch) -> list[int]:
     return chained
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("shape", ["tree", "chain", None])
-def test_overlapped_steps_change_nothing(target, shape, graphs, monkeypatch):
+def test_overlapped_steps_change_nothing(target, shape, graphs, sampled, monkeypatch):
     """Decode steps queued before the last one's tokens are read (the default) give every request the tokens,
     acceptance and finish that steps run one at a time give, with requests ending (by stop id and by length) and
     the batch shrinking while a step is in flight; every block comes back. Speculative and plain, padded to batch
-    buckets (graphs) and not."""
+    buckets (graphs) and not, greedy and sampled (each request with its own seed: the same draws either way)."""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     ps = prompts(5, target.config.vocab_size, seed=8)
-    stop = list(greedy_tokens(target, ps[1], 6))[-1]  # ends request 1 early
+    stop = list(greedy_tokens(target, ps[1], 6))[-1]  # ends request 1 early (when greedy)
     lengths = [7, 30, 18, 25, 12]
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=i) if sampled else GREEDY for i in range(5)]
     runs = {}
     for overlap in (False, True):
         config = EngineConfig(speculative=shape is not None, tree=SHAPES[shape or "tree"], block_size=4,
                               num_blocks=160, overlap=overlap)
         engine = Engine(target, random_head(target), config)
         chained = chained_steps(engine, monkeypatch)
-        requests = [engine.add_request(p, GREEDY, n, {stop}) for p, n in zip(ps, lengths, strict=True)]
+        requests = [engine.add_request(p, q, n, {stop}) for p, q, n in zip(ps, params, lengths, strict=True)]
         while engine.has_work():
             engine.step()
         runs[overlap] = [(r.output, r.accepted, r.finish_reason) for r in requests]
         assert engine.pool.allocator.num_free == 160
         assert bool(chained) == overlap and (not overlap or {5, 1} <= set(chained))
     assert runs[True] == runs[False]
-    outputs = [list(greedy_tokens(target, p, n)) for p, n in zip(ps, lengths, strict=True)]
-    assert [out for out, *_ in runs[True]] == [o[: o.index(stop) + 1] if stop in o else o for o in outputs]
-    assert runs[True][1][2] == "stop"
+    if not sampled:
+        outputs = [list(greedy_tokens(target, p, n)) for p, n in zip(ps, lengths, strict=True)]
+        assert [out for out, *_ in runs[True]] == [o[: o.index(stop) + 1] if stop in o else o for o in outputs]
+        assert runs[True][1][2] == "stop"
 
 
 def test_abort_while_a_step_is_in_flight(target):

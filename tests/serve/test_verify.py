@@ -90,6 +90,17 @@ def make_tree(parents: list[int], ranks: list[int], seed: int = 0):
 CHAIN = make_tree([-1, 0, 1, 2], [0, 1, 0, 3], seed=1)
 # Root with 3 children (likely, unlikely, middling), each with 2 children.
 TREE = make_tree([-1, 0, 0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 4, 2, 1, 3, 0, 5, 1, 2], seed=2)
+
+
+def duplicate_sibling_tree():
+    """Root children: node 1, node 2 holding node 1's token (the same path, so the same logits) and node 3; node 4
+    under node 1. Once node 1 is rejected its token has no mass left, so node 2 must never be accepted."""
+    tokens, parents, logits, off = make_tree([-1, 0, 0, 0, 1], [0, 1, 1, 0, 0], seed=3)
+    logits[2] = logits[1]
+    return tokens, parents, logits, off
+
+
+DUPLICATE = duplicate_sibling_tree()
 PARAMS = [
     SamplingParams(),
     SamplingParams(temperature=0.6),
@@ -143,7 +154,7 @@ def chi2_pvalue(samples: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [CHAIN, TREE, DUPLICATE], ids=["chain", "tree", "duplicate"])
 def test_sampling_is_exact(tree, params):
     p1, cond = target_first_two(tree, params)
     first, second = speculative_first_two(tree, params)
@@ -219,6 +230,24 @@ def test_sampling_never_accepts_padding():
     prev, node = acc[:, :-1], acc[:, 1:]
     step = node >= 0
     assert torch.equal(parents.gather(1, node.clamp(min=0))[step], prev[step])
+
+
+@pytest.mark.gpu
+def test_sampling_walk_never_waits_for_the_gpu():
+    """On CUDA the sampling walk, its per-request parameters and seeds included, queues its work and never reads
+    the device (so the engine queues the next step behind it); its paths are still well formed."""
+    tokens, parents, logits, valid = (x.cuda() for x in random_trees())
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=i) for i in range(len(tokens))]
+    generators = [make_generator(p, "cuda") for p in params]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        acc, n, bonus = verify_sampling(tokens, parents, logits, valid, params, generators, max_depth=11)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    path = acc >= 0
+    assert torch.equal(path.sum(1), n + 1) and valid.gather(1, acc.clamp(min=0))[path].all()
+    assert ((0 <= bonus) & (bonus < logits.shape[-1])).all()
 
 
 def test_params_validation():
