@@ -289,7 +289,7 @@ class Engine:
         the chained step computed for a request that ended meanwhile is dropped."""
         last, self.in_flight = self.in_flight, None
         if last is not None:
-            if self._can_chain(last):
+            if self._overlaps() and self._can_chain(last):
                 self.decode_steps += 1
                 with self._phase("decode"):
                     self.in_flight = self._decode(last.requests, after=last)
@@ -335,33 +335,39 @@ class Engine:
 
     def _can_chain(self, last: DecodeStep) -> bool:
         """Whether the step after `last` may be queued before `last`'s tokens are read: the same requests still run,
-        none waits that could be admitted, and each has room (blocks, then context) for the most `last` can accept
-        and the next step's tree. Gives them the blocks."""
+        not all of them end with `last`'s tokens, none waits that could be admitted, and each has room (blocks, then
+        context) for the most `last` can accept and the next step's tree. Gives them the blocks."""
         requests = last.requests
-        if self.running != requests or self._can_admit():
+        if (self.running != requests or self._can_admit()
+                or all(len(r.output) + 1 >= r.max_new_tokens for r in requests)):
             return False
         reach = [r.cached + last.advance + self.reserve for r in requests]  # positions the next step may write
         if max(reach) > self.context_limit:
             return False
-        short = [self._blocks_for(x) - len(r.blocks) for r, x in zip(requests, reach, strict=True)]
-        if sum(max(n, 0) for n in short) > self.pool.allocator.num_free:
+        short, need = self._shortfall(requests, reach)
+        if need > self.pool.allocator.num_free:
             return False
+        self._grant(requests, short)
+        return True
+
+    def _shortfall(self, requests: list[Request], reach: list[int]) -> tuple[list[int], int]:
+        """The blocks each request lacks to hold `reach` positions (negative: a surplus), and their total."""
+        short = [self._blocks_for(x) - len(r.blocks) for r, x in zip(requests, reach, strict=True)]
+        return short, sum(max(n, 0) for n in short)
+
+    def _grant(self, requests: list[Request], short: list[int]) -> None:
         for request, n in zip(requests, short, strict=True):
             if n > 0:
-                request.blocks += self.pool.allocator.allocate(n)
-        return True
+                request.blocks += self.pool.allocator.allocate(n)  # OutOfBlocks only if one request overflows
 
     def _ensure_blocks(self) -> list[Request]:
         """Gives every running request blocks for this decode step, preempting the newest when short."""
         while True:
-            short = [(r, self._blocks_for(r.cached + self.reserve) - len(r.blocks)) for r in self.running]
-            need = sum(max(n, 0) for _, n in short)
+            short, need = self._shortfall(self.running, [r.cached + self.reserve for r in self.running])
             if need <= self.pool.allocator.num_free or len(self.running) == 1:
                 break
             self._preempt(self.running[-1])
-        for request, n in short:
-            if n > 0:
-                request.blocks += self.pool.allocator.allocate(n)  # OutOfBlocks only if one request overflows
+        self._grant(self.running, short)
         return list(self.running)  # a copy: finishing requests leave `self.running` during the step
 
     def _preempt(self, request: Request) -> None:
@@ -444,6 +450,7 @@ class Engine:
         step while its device work runs (`_overlaps`), else None, its tokens handed out."""
         device, B = self.device, len(requests)
         shape = setting_for(self.tree_by_batch, B) if self.drafter is not None else None
+        depth = shape.num_steps if shape else 0  # the tree's depth: the longest path it can accept
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
         if after is None:
             n, roots = to_device(torch.tensor([[r.cached for r in requests] + [0] * pad,  # [B'] each, in one copy
@@ -460,7 +467,6 @@ class Engine:
             else:  # plain decoding (the draft still follows: `_accept` extends it)
                 tree = root_only(roots)
         with self._phase("verify"):
-            depth = shape.num_steps if shape else 0
             if all(r.params.greedy for r in requests):  # target pass and verification in one graph
                 out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth)
             else:
@@ -468,7 +474,7 @@ class Engine:
                 accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B],
                                                              depth)
         with self._phase("accept"):
-            step = self._accept(requests, shape, tree, n, table, out, accepted, num_accepted, bonus)
+            step = self._accept(requests, shape, depth, tree, n, table, out, accepted, num_accepted, bonus)
             if self._overlaps():
                 return step
             self._finish_decode(step)  # in the phase: profiled steps time it there
@@ -499,8 +505,8 @@ class Engine:
                                                       torch.ones_like(tokens, dtype=torch.bool), greedy_depth)
 
     def _accept(
-        self, requests: list[Request], shape: TreeShape | None, tree: DraftTree, n: Tensor, table: Tensor,
-        out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
+        self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,
+        table: Tensor, out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> DecodeStep:
         """Keeps the accepted path's KV, extends the draft along it, and queues the copy of the tokens to the host.
         accepted / num_accepted / bonus cover the B requests (padded here) or the B' padded rows; the other tensors
@@ -512,8 +518,8 @@ class Engine:
                                              for x in (accepted, num_accepted, bonus))
         draft = None
         if self.drafter is not None:
-            # Graphs take a fixed length: the deepest path any tree can accept.
-            depth = shape.num_steps if shape else 0
+            # Graphs take a fixed length: the deepest path the tree can accept. (Without them the accepted lengths are
+            # read, which waits for the step: eager CUDA steps overlap only partly.)
             T = min(depth + 1, tree.tokens.shape[1]) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
             move = shape is not None and shape.topk > 1
             inputs = (accepted, num_accepted, bonus, tree.tokens, out.hidden, n, table) + (
@@ -531,7 +537,7 @@ class Engine:
         if host.is_cuda:  # queued behind the step's work, into pinned memory; `ready` marks its arrival
             host, ready = host.to("cpu", non_blocking=True), torch.cuda.Event()
             ready.record()
-        return DecodeStep(requests, 1 + (shape.num_steps if shape else 0), n, num_accepted, bonus, draft, host, ready)
+        return DecodeStep(requests, 1 + depth, n, num_accepted, bonus, draft, host, ready)
 
     def _finish_decode(self, step: DecodeStep) -> None:
         """Waits for `step`'s tokens and hands them out to its requests that still run."""

@@ -84,4 +84,3 @@ class KVPool:
         filled = torch.arange(longest) < torch.tensor([len(r) for r in rows])[:, None]  # [B, longest]
         table[: len(rows)][filled] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
         return F.pad(to_device(table, device), (0, max(width or 0, longest) - longest), value=self.scratch_block)
-

@@ -128,11 +128,13 @@ def verify_sampling(
         num_accepted += found
         cur = torch.where(found, nxt, cur)
         walking = found
-    # The bonus: from the last node's p, less the children a stopped row rejected there.
+    # The bonus: from the last node's p, less the children a stopped row rejected there. Where those held all of p
+    # (a last child's ratio, q / left, can round to just below 1), from p: never a token of probability zero.
     p = probs[rows, cur]
     rejected = node_valid & (parents == cur[:, None]) & ~walking[:, None]  # [B, N]
     V = p.shape[-1]
     q = torch.cat([p, p.new_zeros(B, 1)], 1).scatter_(1, torch.where(rejected, tokens, V), 0.0)[:, :V]
+    q = torch.where(q.sum(-1, keepdim=True) > 0, q, p)
     return accepted, num_accepted, _sample(q, coins[:, N])
 
 

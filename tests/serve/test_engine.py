@@ -201,7 +201,8 @@ def test_overlapped_steps_change_nothing(target, shape, graphs, sampled, monkeyp
     """Decode steps queued before the last one's tokens are read (the default) give every request the tokens,
     acceptance and finish that steps run one at a time give, with requests ending (by stop id and by length) and
     the batch shrinking while a step is in flight; every block comes back. Speculative and plain, padded to batch
-    buckets (graphs) and not, greedy and sampled (each request with its own seed: the same draws either way)."""
+    buckets (graphs) and not, greedy and sampled (each request with its own seed: the same draws either way; the
+    stop id, from greedy decoding, ends only a greedy request)."""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     ps = prompts(5, target.config.vocab_size, seed=8)
     stop = list(greedy_tokens(target, ps[1], 6))[-1]  # ends request 1 early (when greedy)
@@ -218,6 +219,7 @@ def test_overlapped_steps_change_nothing(target, shape, graphs, sampled, monkeyp
             engine.step()
         runs[overlap] = [(r.output, r.accepted, r.finish_reason) for r in requests]
         assert engine.pool.allocator.num_free == 160
+        assert shape is not None or engine.in_flight is None  # no step queued past the last request's last token
         assert bool(chained) == overlap and (not overlap or {5, 1} <= set(chained))
     assert runs[True] == runs[False]
     if not sampled:
@@ -262,6 +264,20 @@ def test_host_tensors_reach_the_gpu_without_waiting_for_queued_work():
     assert not busy.query()  # the host got here while the device was still sleeping
     torch.cuda.synchronize()
     assert torch.equal(copied.cpu(), torch.arange(64, dtype=torch.int32))
+
+
+def test_profiling_switched_on_with_a_step_in_flight(target):
+    """A benchmark turns profiling on between runs; with a step still in flight the next one runs alone, after it,
+    and tokens come out in order."""
+    p = prompts(5, target.config.vocab_size, seed=2)[4]  # a prompt whose greedy tokens do not repeat at once
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=64))
+    request = engine.add_request(p, GREEDY, max_new_tokens=30)
+    while engine.in_flight is None or len(request.output) < 4:
+        engine.step()
+    engine.profile = True
+    while engine.has_work():
+        engine.step()
+    assert request.output == list(greedy_tokens(target, p, 30))
 
 
 def test_no_overlap_near_the_end_of_the_pool(target):

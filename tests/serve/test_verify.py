@@ -232,6 +232,23 @@ def test_sampling_never_accepts_padding():
     assert torch.equal(parents.gather(1, node.clamp(min=0))[step], prev[step])
 
 
+def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypatch):
+    """With top-k 2 and the root's two children holding the two kept tokens, the second child's acceptance ratio is 1
+    but can round to just below it; with coins just below 1 both children may then be rejected, and the bonus must
+    still be a token the target can emit (it fell back to token 0, outside the top 2)."""
+    B, V = 256, 16
+    logits = torch.randn(B, 3, V, generator=torch.Generator().manual_seed(0))
+    top2 = logits[:, 0].topk(2).indices  # [B, 2]
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), top2], 1)
+    parents = torch.tensor([[-1, 0, 0]] * B)
+    params = SamplingParams(top_k=2)
+    monkeypatch.setattr(verify, "_uniforms", lambda n_rows, n, *_: torch.full((n_rows, n), 1 - 2**-24))
+    acc, n, bonus = verify_sampling(tokens, parents, logits, torch.ones(B, 3, dtype=torch.bool), params)
+    last = acc.gather(1, n[:, None])[:, 0]  # the node the bonus follows
+    probs = target_probs(logits, params)
+    assert (probs[torch.arange(B), last, bonus] > 0).all()
+
+
 @pytest.mark.gpu
 def test_sampling_walk_never_waits_for_the_gpu():
     """On CUDA the sampling walk, its per-request parameters and seeds included, queues its work and never reads
