@@ -3,6 +3,8 @@
 import pytest
 
 from eyas.serve.cli import SERVE_RECIPES, parse_args
+from eyas.serve.commands import engine_options
+from eyas.serve.engine import EngineConfig
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml")))
@@ -35,6 +37,14 @@ def test_recipe_switches_and_on_off(tmp_path, line, graphs, speculative):
     recipe.write_text(f"target: smollm2-135m-instruct\ndraft: {tmp_path}\n{line}\n")
     args = parse_args(["--recipe", str(recipe)])
     assert (args.disable_cuda_graph, args.speculative) == (graphs, speculative)
+
+
+@pytest.mark.parametrize("flags, overlap, graphs", [([], True, True), (["--disable-overlap"], False, True),
+                                                    (["--disable-cuda-graph"], True, False)])
+def test_engine_switches_reach_the_engine(flags, overlap, graphs):
+    options = engine_options(parse_args(["--recipe", "smollm2-135m", *flags]))
+    assert (options["overlap"], options["cuda_graphs"]) == (overlap, graphs)
+    EngineConfig(**options)  # every option is an engine field
 
 
 def test_autotune_file_is_read_and_checked(tmp_path, capsys):
