@@ -6,10 +6,11 @@
 
 For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over the same
 prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus included), the mean
-decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping), the host time a decode
-step spends outside those three (scheduling, block tables, input copies: the device idles through it), output
+decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping) and the host time a decode
+step spends outside those three (scheduling, block tables, input copies), all timed one step at a time; output
 tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
-and the speedup over speculation off at the same batch size. `--compare-hf` times Hugging Face `generate` on the
+where steps overlap that host time unless `--disable-overlap`; and the speedup over speculation off at the same
+batch size. `--temperature` samples instead of decoding greedily. `--compare-hf` times Hugging Face `generate` on the
 batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step costs are what such a run
 measures.
 """
