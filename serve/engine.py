@@ -289,12 +289,11 @@ class Engine:
         the chained step computed for a request that ended meanwhile is dropped."""
         last, self.in_flight = self.in_flight, None
         if last is not None:
-            if self._overlaps() and self._can_chain(last):
-                self.decode_steps += 1
-                with self._phase("decode"):
-                    self.in_flight = self._decode(last.requests, after=last)
+            chained = self._overlaps() and self._can_chain(last)
+            if chained:
+                self._launch_decode(last.requests, after=last)
             self._finish_decode(last)
-            if self.in_flight is not None:
+            if chained:
                 return
         self._admit()
         pending = self._prefill_batch()
@@ -302,9 +301,12 @@ class Engine:
             with self._phase("prefill"):
                 self._prefill(pending)
         elif self.running:
-            self.decode_steps += 1
-            with self._phase("decode"):  # the three phases and the host work between them
-                self.in_flight = self._decode(self._ensure_blocks())
+            self._launch_decode(self._ensure_blocks())
+
+    def _launch_decode(self, requests: list[Request], after: DecodeStep | None = None) -> None:
+        self.decode_steps += 1
+        with self._phase("decode"):  # the three phases and the host work between them
+            self.in_flight = self._decode(requests, after)
 
     def _prefill_batch(self) -> list[Request]:
         """The requests whose prompts this step prefills: one chunk each, as many as fit `max_prefill_tokens`
@@ -324,21 +326,25 @@ class Engine:
         return -(-positions // self.pool.block_size)
 
     def _admit(self) -> None:
-        while self._can_admit():
+        while need := self._admissible():
             request = self.waiting.popleft()
-            request.blocks = self.pool.allocator.allocate(self._blocks_for(len(request.tokens) + self.reserve))
+            request.blocks = self.pool.allocator.allocate(need)
             self.running.append(request)
 
-    def _can_admit(self) -> bool:
-        return bool(self.waiting) and len(self.running) < self.config.max_batch_size and (
-            self._blocks_for(len(self.waiting[0].tokens) + self.reserve) <= self.pool.allocator.num_free)
+    def _admissible(self) -> int:
+        """The blocks the first waiting request needs, if it can be admitted now; else 0."""
+        if not self.waiting or len(self.running) >= self.config.max_batch_size:
+            return 0
+        request = self.waiting[0]
+        need = self._blocks_for(len(request.prompt) + len(request.output) + self.reserve)
+        return need if need <= self.pool.allocator.num_free else 0
 
     def _can_chain(self, last: DecodeStep) -> bool:
         """Whether the step after `last` may be queued before `last`'s tokens are read: the same requests still run,
         not all of them end with `last`'s tokens, none waits that could be admitted, and each has room (blocks, then
         context) for the most `last` can accept and the next step's tree. Gives them the blocks."""
         requests = last.requests
-        if (self.running != requests or self._can_admit()
+        if (self.running != requests or self._admissible()
                 or all(len(r.output) + 1 >= r.max_new_tokens for r in requests)):
             return False
         reach = [r.cached + last.advance + self.reserve for r in requests]  # positions the next step may write
