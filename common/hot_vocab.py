@@ -153,17 +153,12 @@ class HotVocab:
         """int64 `[draft_vocab]` offsets, target id = i + d2t[i] (the SGLang/vLLM/SpecForge layout)."""
         return self.hot_ids - torch.arange(self.draft_vocab_size, device=self.hot_ids.device)
 
-    @property
-    def t2d(self) -> Tensor:
-        """bool `[vocab]`, True where a target id is in the draft vocab."""
-        return self._draft_index >= 0
-
     @cached_property
-    def _draft_index(self) -> Tensor:
-        # int64 [vocab]: the draft index of each target id, -1 where it has none.
-        index = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=self.hot_ids.device)
-        index[self.hot_ids] = torch.arange(self.draft_vocab_size, device=self.hot_ids.device)
-        return index
+    def t2d(self) -> Tensor:
+        """bool `[vocab]`, True where a target id is in the draft vocab (built once: training reads it every step)."""
+        in_draft = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.hot_ids.device)
+        in_draft[self.hot_ids] = True
+        return in_draft
 
     # ---- mapping ------------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ run with the same file, tokenizer and config loads Arrow files instead of re-rea
   - the conversations: `Dataset.from_generator`, keyed on the path, size and mtime of the file, the format and
     max_bytes;
   - the tokens: `map`, keyed on that dataset's fingerprint and a hash of the tokenizer and max_length.
-Both are keyed on `SOURCE_STAMP` too, a hash of the code that reads and masks conversations: `datasets` keys a
-module's function on its name, not its code, so a fixed reader would otherwise be served the old rows.
+The conversations are keyed on `SOURCE_STAMP` too, a hash of the code that reads and masks conversations (and so
+the tokens, through their fingerprint): `datasets` keys a module's function on its name, not its code, so a fixed
+reader would otherwise be served the old rows.
 Skipped records are reported (logged) when the file is read, so only on the first run.
 """
 
@@ -96,7 +97,6 @@ def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: 
             "tokenizer": tokenizer,
             "end_of_turn": end_of_turn_id(tokenizer),
             "max_length": config.max_length,
-            "stamp": SOURCE_STAMP,
         },
         remove_columns=["messages"],
         num_proc=config.num_proc,
@@ -117,8 +117,8 @@ def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
 
 
 def _tokenize_batch(
-    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int, stamp: str
-) -> dict[str, list]:  # `stamp` only keys the cache
+    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int
+) -> dict[str, list]:
     rendered = []
     for messages in batch["messages"]:
         try:

@@ -25,6 +25,7 @@ train.data) or `data.synthetic`; with `data.eval_fraction`, the held-out rows ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -373,16 +374,22 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     # (a no-op at stages 0-2), rank 0 writes it.
     with deepspeed.zero.GatheredParameters(list(head.parameters())):
         if rank == 0:
-            _atomic_export(final, lambda p: save_eagle3(head, p))
+            _atomic_export(final, functools.partial(_write_final, head, final_eval))
             _atomic_export(output / "final-speculators", lambda p: export_speculators(
                 head, p, verifier=recipe.model.target or "random-target",
                 verifier_architectures=_verifier_architectures(recipe.model), speculative_tokens=steps,
             ))
-            if final_eval is not None:
-                (final / "eval.json").write_text(json.dumps(final_eval, indent=1) + "\n")
     if world_size > 1:
         dist.barrier()
     return final
+
+
+def _write_final(head, final_eval: dict | None, path: Path) -> None:
+    """The exported head and, when the run ended with an evaluation, its eval.json beside it (one unit: both are
+    flushed and swapped in together)."""
+    save_eagle3(head, path)
+    if final_eval is not None:
+        (path / "eval.json").write_text(json.dumps(final_eval, indent=1) + "\n")
 
 
 def dump(recipe: TrainRecipe) -> Path:
