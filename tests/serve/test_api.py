@@ -293,9 +293,9 @@ def decoding_held(server, monkeypatch):
     engine, worker, release = server.worker.engine, server.worker, threading.Event()
     decode = engine._decode
 
-    def held(requests):
+    def held(requests, after=None):
         release.wait(10)
-        return decode(requests)
+        return decode(requests, after)
 
     monkeypatch.setattr(engine, "_decode", held)
     aborted = server.metric("eyas_requests_finished_total", reason="abort")
@@ -332,7 +332,7 @@ def test_client_disconnect_without_streaming_aborts(server, monkeypatch):
 def test_step_failure_ends_the_running_requests_only(server):
     engine = server.worker.engine
 
-    def broken(requests):
+    def broken(requests, after=None):
         del engine._decode  # fail once: later steps use the class's method again
         raise RuntimeError("simulated kernel failure")
 
