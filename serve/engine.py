@@ -21,11 +21,11 @@ A decode step stays in flight: the next `step` queues the one after it from its 
 its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the device's work.
 
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
-drafting, the target pass (with greedy verification), and the draft's extension along the accepted path with
-its inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work and
-one-token projections, the draft's top-k, the draft tree's bookkeeping and the greedy walk run as fused Triton
-kernels (`kernels.py`). On every device the engine joins each layer's q/k/v projections, and its MLP's gate/up,
-into one matmul each (`common.layers.fuse_projections`).
+drafting, the target pass with its verification (greedy or sampled), and the draft's extension along the accepted
+path with its inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models'
+elementwise work and one-token projections, the draft's top-k, the draft tree's bookkeeping and the greedy walk
+run as fused Triton kernels (`kernels.py`). On every device the engine joins each layer's q/k/v projections,
+and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -57,10 +57,10 @@ from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
-from .verify import verify_greedy, verify_sampling
+from .verify import draw_coins, verify_greedy, verify_sampling, walk_sampling
 
 
 @dataclass(frozen=True)
@@ -472,13 +472,9 @@ class Engine:
                 tree = self.drafter.draft_tree(shape, roots, *draft, n, table)
             else:  # plain decoding (the draft still follows: `_accept` extends it)
                 tree = root_only(roots)
-        with self._phase("verify"):
-            if all(r.params.greedy for r in requests):  # target pass and verification in one graph
-                out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth)
-            else:
-                out, logits = self._target_pass(tree, n, table)
-                accepted, num_accepted, bonus = self._verify(requests, tree.tokens[:B], tree.parents[:B], logits[:B],
-                                                             depth)
+        with self._phase("verify"):  # target pass and verification in one graph
+            sampling = self._sampling(requests, pad, tree)
+            out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth, sampling)
         with self._phase("accept"):
             step = self._accept(requests, shape, depth, tree, n, table, out, accepted, num_accepted, bonus)
             if self._overlaps():
@@ -490,43 +486,56 @@ class Engine:
         """Whether a decode step stays in flight: with overlap on and no profiling (which times each step whole)."""
         return self.config.overlap and not self.profile
 
-    def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, greedy_depth: int | None = None):
-        """One target pass over every tree node: node j's KV goes to position n + j; each node sees the prefix
-        and its ancestors. -> (its output, logits [B', N, V] float), or with `greedy_depth` (the tree's depth)
-        (its output, accepted, num_accepted, bonus) of greedy verification, run in the same graph."""
-        name = "target" if greedy_depth is None else f"target, greedy verification {greedy_depth}"
-        forward = functools.partial(self._target_forward, greedy_depth)
-        hidden, aux, *rest = self.graphs(name, forward, tree.tokens, tree.parents, n[:, None] + tree.depth,
-                                         table, n, tree.mask)
-        return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *rest)
+    def _sampling(self, requests: list[Request], pad: int, tree: DraftTree) -> tuple[SamplingRows, Tensor] | None:
+        """None when every request is greedy; else the B' rows' sampling parameters and coins [B', N + 1] for
+        `walk_sampling` (padding rows sample at temperature 1 with coins of 0; what they accept is dropped). The
+        coins come from each request's generator, outside the graph, so seeded requests draw what they draw eagerly."""
+        if all(r.params.greedy for r in requests):
+            return None
+        rows = SamplingRows.of([r.params for r in requests] + [SamplingParams()] * pad, len(requests) + pad,
+                               self.target.config.vocab_size, self.device)
+        generators = [r.generator for r in requests]  # None throughout: one draw from the shared generator
+        coins = draw_coins(len(requests), tree.tokens.shape[1], None if all(g is None for g in generators)
+                           else generators, self.device)
+        return rows, F.pad(coins, (0, 0, 0, pad))
 
-    def _target_forward(self, greedy_depth: int | None, tokens: Tensor, parents: Tensor, positions: Tensor,
-                        table: Tensor, prefix: Tensor, mask: Tensor):
+    def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, depth: int,
+                     sampling: tuple[SamplingRows, Tensor] | None):
+        """One target pass over every tree node (node j's KV goes to position n + j; each node sees the prefix
+        and its ancestors) and, in the same graph, the verification of trees `depth` deep: greedy, or by `sampling`
+        (`_sampling`). -> (its output, accepted, num_accepted, bonus)."""
+        inputs = (tree.tokens, tree.parents, n[:, None] + tree.depth, table, n, tree.mask)
+        if sampling is None:
+            name, verify = f"target, greedy verification {depth}", functools.partial(self.verify_greedy,
+                                                                                    max_depth=depth)
+        else:
+            rows, coins = sampling
+            name = f"target, sampled verification {depth}, filtered {rows.filtered}, greedy rows {rows.any_greedy}"
+            verify = functools.partial(_walk_sampling, rows.filtered, rows.any_greedy, depth)
+            inputs += (rows.values, coins)
+        hidden, aux, *verified = self.graphs(name, functools.partial(self._target_forward, verify), *inputs)
+        return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *verified)
+
+    def _target_forward(self, verify, tokens: Tensor, parents: Tensor, positions: Tensor, table: Tensor,
+                        prefix: Tensor, mask: Tensor, *verify_inputs: Tensor):
         out = self.target(tokens, positions, self.attention(self.pool, table, prefix, mask), aux_layers=self.aux_layers)
         logits = self.target.logits(out.hidden).float()
         aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
-        if greedy_depth is None:
-            return out.hidden, aux, logits
-        return (out.hidden, aux) + self.verify_greedy(tokens, parents, logits,
-                                                      torch.ones_like(tokens, dtype=torch.bool), greedy_depth)
+        return (out.hidden, aux) + verify(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
+                                          *verify_inputs)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,
         table: Tensor, out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> DecodeStep:
         """Keeps the accepted path's KV, extends the draft along it, and queues the copy of the tokens to the host.
-        accepted / num_accepted / bonus cover the B requests (padded here) or the B' padded rows; the other tensors
-        B' rows."""
+        Tensors cover the B' rows, padding included."""
         B = len(requests)
-        pad = len(n) - len(num_accepted)  # sampling verifies the B requests only: padding rows accept nothing
-        if pad:
-            accepted, num_accepted, bonus = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad))
-                                             for x in (accepted, num_accepted, bonus))
         draft = None
         if self.drafter is not None:
-            # Graphs take a fixed length: the deepest path the tree can accept. (Without them the accepted lengths are
-            # read, which waits for the step: eager CUDA steps overlap only partly.)
-            T = min(depth + 1, tree.tokens.shape[1]) if self.graphs.enabled else int(num_accepted[:B].max()) + 1
+            # A fixed length, the deepest path the tree can accept: graphs need one, and reading the accepted lengths
+            # would wait for the step.
+            T = min(depth + 1, tree.tokens.shape[1])
             move = shape is not None and shape.topk > 1
             inputs = (accepted, num_accepted, bonus, tree.tokens, out.hidden, n, table) + (
                 (out.aux,) if out.aux is not None else ())
@@ -614,6 +623,12 @@ def step_reserve(trees: list[TreeShape]) -> int:
     """Positions a decode step may write beyond the cached ones: the largest tree (or the root), or the draft's
     scratch, and one more."""
     return 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in trees])
+
+
+def _walk_sampling(filtered: bool, any_greedy: bool, depth: int, tokens: Tensor, parents: Tensor, logits: Tensor,
+                   node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`walk_sampling` on graph inputs: the rows' parameter tensor stands for its `SamplingRows`."""
+    return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, filtered, any_greedy), coins, depth)
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:

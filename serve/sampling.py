@@ -49,34 +49,49 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
+@dataclass(frozen=True)
+class SamplingRows:
+    """Each batch row's sampling parameters on the device, as `target_probs` and the CUDA graphs take them.
+
+    values [4, B] float32: temperature, greedy (1 or 0), top-k (the vocabulary's size when off) and top-p; one copy
+    to the device, queued, not waited for. float32 holds each exactly: top-k is at most the vocabulary (< 2**24),
+    and greedy is decided on the host, where a temperature like 1e-6 is still itself.
+    filtered / any_greedy: whether some row keeps fewer than all tokens (top-k or top-p), or is greedy; known on the
+    host, so their work is queued only when a row needs it (and CUDA graphs are captured per pair)."""
+
+    values: torch.Tensor
+    filtered: bool
+    any_greedy: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams | Sequence[SamplingParams], rows: int, vocab: int,
+           device: torch.device | str) -> SamplingRows:
+        """`params`: one SamplingParams for all `rows`, or one per row."""
+        plist = [params] * rows if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != rows:
+            raise ValueError(f"got {len(plist)} SamplingParams for {rows} rows")
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in plist]  # any int: no overflow
+        values = torch.tensor([[p.temperature for p in plist], [float(p.greedy) for p in plist], top_k,
+                               [p.top_p for p in plist]], dtype=torch.float32)
+        return cls(to_device(values, device), any(k < vocab or p.top_p < 1 for k, p in zip(top_k, plist, strict=True)),
+                   any(p.greedy for p in plist))
+
+
+def target_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """logits [B, ..., V] -> float32 probabilities [B, ..., V]: temperature, then top-k, then top-p,
     renormalised. Greedy rows (temperature below GREEDY_BELOW) become one-hot at the argmax.
 
-    `params` is one SamplingParams for every row, or a list of B (one per leading row). Per-row values
-    become [B, 1, ..., 1] tensors, so mixed batches run in one vectorised pass, no loop over rows.
+    Each row's parameters (`rows`, B of them) broadcast as [B, 1, ..., 1]: mixed batches run in one vectorised
+    pass, no loop over rows, and nothing is read on the host (the engine captures this in a CUDA graph).
     Top-k keeps exactly k tokens (ties at the k-th logit broken by sort order); top-p then keeps the
     smallest prefix of the sorted distribution whose mass reaches top_p (always at least one token).
     """
     x = logits.float()
     V = x.shape[-1]
-    if isinstance(params, SamplingParams):
-        plist, shape = [params], ()
-    else:
-        plist, shape = list(params), (x.shape[0],) + (1,) * (x.dim() - 1)
-        if len(plist) != x.shape[0]:
-            raise ValueError(f"got {len(plist)} SamplingParams for {x.shape[0]} rows")
-
-    def per_row(values, dtype):  # -> [] or [B, 1, ..., 1], broadcasting against x; queued, not waited for
-        return to_device(torch.tensor(values, dtype=dtype), x.device).reshape(shape)
-
-    temp = per_row([p.temperature for p in plist], torch.float32)
-    greedy = per_row([p.greedy for p in plist], torch.bool)
+    temp, greedy, top_k, top_p = rows.values.reshape(4, x.shape[0], *(1,) * (x.dim() - 1))
+    greedy = greedy > 0
     x = x / torch.where(greedy, 1.0, temp)
-    top_k = per_row([min(p.top_k, V) if p.top_k > 0 else V for p in plist], torch.long)  # any int: no overflow
-    top_p = per_row([p.top_p for p in plist], torch.float32)
-
-    if any(0 < p.top_k < V or p.top_p < 1 for p in plist):
+    if rows.filtered:
         # One sort serves both filters: temperature and top-k keep the logits' order.
         xs, order = x.sort(dim=-1, descending=True)  # [B, ..., V]
         rank = torch.arange(V, device=x.device)
@@ -87,7 +102,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samplin
         probs = torch.zeros_like(ps).scatter_(-1, order, ps / ps.sum(-1, keepdim=True))
     else:
         probs = x.softmax(-1)
-    if any(p.greedy for p in plist):  # known on the host: no device sync
+    if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs

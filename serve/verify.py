@@ -21,7 +21,7 @@ accepted [0, 1, 2, -1], num_accepted 2, bonus 3; the step emits 2, 7, 3.
 
 The loops below run over tree depth / sibling tests (at most N - 1 iterations), never over the
 vocabulary; each iteration is a handful of batched ops. Both walks have a fixed length and no host reads: the
-engine captures the greedy one with the target pass and queues the sampling one behind it.
+engine captures either in the target pass's CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampling import SamplingParams, target_probs
+from .sampling import SamplingParams, SamplingRows, target_probs
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
@@ -72,6 +72,25 @@ def verify_sampling(
     generator: Generators = None,
     max_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`walk_sampling` by `params` (one SamplingParams or one per request), with coins from `generator` (one
+    torch.Generator for the batch, or one per request, None entries using the default generator; it must live on
+    the tensors' device). For per-request seeds, build each request's generator once with
+    `sampling.make_generator` and keep it."""
+    B, N = tokens.shape
+    sampling = SamplingRows.of(params, B, logits.shape[-1], tokens.device)
+    return walk_sampling(tokens, parents, logits, node_valid, sampling, draw_coins(B, N, generator, tokens.device),
+                         max_depth)
+
+
+def walk_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    node_valid: torch.Tensor,
+    sampling: SamplingRows,
+    coins: torch.Tensor,
+    max_depth: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs).
 
     At the current node with target distribution p (`target_probs`), try its children in rank order.
@@ -93,19 +112,16 @@ def verify_sampling(
     All children of the current node are tested at once: child c_i is the one accepted when its coin passes with
     the mass R_i left by its rejected elder siblings and no elder's coin passed, which is what testing them one by
     one gives. So the walk takes one iteration per tree level, a fixed `max_depth` of them (the tree's depth;
-    None: N - 1, which bounds any tree), and reads nothing on the host: the engine queues it behind the target
-    pass without waiting (`Engine.step`).
+    None: N - 1, which bounds any tree), and reads nothing on the host: the engine runs it in the target pass's
+    CUDA graph.
 
-    params: one SamplingParams or one per request. generator: one torch.Generator for the batch, or one
-    per request (None entries use the default generator); it must live on the tensors' device. For
-    per-request seeds, build each request's generator once with `sampling.make_generator` and keep it.
+    sampling: each request's parameters. coins [B, N + 1] uniforms in [0, 1) (`draw_coins`): one per node (each
+    node is tested at most once, as a child), and the last for the bonus.
     """
     B, N = tokens.shape
     dev = tokens.device
+    probs = target_probs(logits, sampling)  # [B, N, V] float32
     rows = torch.arange(B, device=dev)
-    probs = target_probs(logits, params)  # [B, N, V] float32
-    # One coin per node (each node is tested at most once, as a child) and one for the bonus.
-    coins = _uniforms(B, N + 1, generator, dev)  # [B, N + 1]
     idx = torch.arange(N, device=dev)
     # repeat[b, k]: an elder valid sibling of k holds k's token, so k's q is zero when it is tested.
     same = (parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])  # [B, j, k]
@@ -143,13 +159,14 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.any(-1), mask.long().argmax(-1), -1)
 
 
-def _uniforms(n_rows: int, n: int, generator: Generators, device: torch.device) -> torch.Tensor:
-    """[n_rows, n] uniforms in [0, 1) from one shared generator or one per row."""
+def draw_coins(batch: int, nodes: int, generator: Generators, device: torch.device) -> torch.Tensor:
+    """`walk_sampling`'s coins for `batch` trees of `nodes` nodes: [batch, nodes + 1] uniforms in [0, 1) from one
+    shared generator or one per row."""
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(n_rows, n, generator=generator, device=device)
-    if len(generator) != n_rows:
-        raise ValueError(f"got {len(generator)} generators for {n_rows} requests")
-    return torch.stack([torch.rand(n, generator=g, device=device) for g in generator])
+        return torch.rand(batch, nodes + 1, generator=generator, device=device)
+    if len(generator) != batch:
+        raise ValueError(f"got {len(generator)} generators for {batch} requests")
+    return torch.stack([torch.rand(nodes + 1, generator=g, device=device) for g in generator])
 
 
 def _sample(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,41 @@ def test_triton_engine_equals_target_greedy(hf_checkpoint, target, shape, graphs
         assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=24)] == reference
 
 
+# Top-1 sampling is greedy decoding at any temperature; with a greedy row, so the batch mixes both.
+TOP_ONE = [SamplingParams(temperature=0.7, top_k=1, seed=3), GREEDY, SamplingParams(temperature=1.3, top_k=1)]
+
+
+def top_one_sampling(target_model, head, config, ps):
+    engine = Engine(target_model, head, config)
+    requests = [engine.add_request(p, params, 20) for p, params in zip(ps, TOP_ONE, strict=True)]
+    while engine.has_work():
+        engine.step()
+    return engine, [r.output for r in requests]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampled_verification_of_top_one_is_greedy(target, graphs, monkeypatch):
+    """Sampled requests verify in the target pass (its graph on CUDA), padded to the batch bucket with graphs: top-1
+    sampling at two temperatures, beside a greedy request, gives the target's greedy tokens."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
+    ps = prompts(3, target.config.vocab_size, seed=5)
+    config = EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=96)
+    engine, outputs = top_one_sampling(target, random_head(target), config, ps)
+    assert outputs == [list(greedy_tokens(target, p, 20)) for p in ps]
+    assert engine.pool.allocator.num_free == 96
+
+
+@pytest.mark.gpu
+def test_sampled_verification_in_the_cuda_graph(hf_checkpoint, target):
+    """On CUDA the sampled verification is captured with the target pass; top-1 sampling stays greedy there."""
+    ps = prompts(3, target.config.vocab_size, seed=5)
+    cuda_target = TargetModel.from_pretrained(hf_checkpoint("llama")[0], device="cuda")
+    config = EngineConfig(tree=SHAPES["tree"], block_size=16, num_blocks=64, attention="triton")
+    engine, outputs = top_one_sampling(cuda_target, random_head(target).cuda(), config, ps)
+    assert outputs == [list(greedy_tokens(target, p, 20)) for p in ps]
+    assert engine.graphs.capture and any("sampled verification" in key[0] for key in engine.graphs.graphs)
+
+
 def chained_steps(engine: Engine, monkeypatch) -> list[int]:
     """Records the batch size of every decode step queued from the one before (`Engine.step`'s overlap), and
     checks that its padding rows stay at an empty prefix (their block tables hold only the scratch block)."""

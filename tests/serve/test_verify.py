@@ -6,12 +6,17 @@ import torch
 from scipy.stats import chisquare
 
 import eyas.serve.verify as verify
-from eyas.serve.sampling import SamplingParams, make_generator, target_probs
+from eyas.serve.sampling import SamplingParams, SamplingRows, make_generator, target_probs
 from eyas.serve.verify import verify_greedy, verify_sampling
 
 V = 6  # tiny vocab for the statistical tests
 DRAWS = 20_000
 P_MIN = 1e-3
+
+
+def probs_of(logits: torch.Tensor, params) -> torch.Tensor:
+    """`target_probs` with one SamplingParams for every row of `logits`, or one per row."""
+    return target_probs(logits, SamplingRows.of(params, len(logits), logits.shape[-1], logits.device))
 
 
 def argmax_logits(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
@@ -116,7 +121,7 @@ def target_first_two(tree, params):
     after = off.expand(V, V).clone()  # [a, V]: logits after (root, a)
     for j in torch.nonzero(parents == 0).flatten():
         after[tokens[j]] = logits[j]
-    return target_probs(logits[0], params).double(), target_probs(after, params).double()
+    return probs_of(logits[0], params).double(), probs_of(after, params).double()
 
 
 def speculative_first_two(tree, params, seed=0):
@@ -171,8 +176,8 @@ def test_sampling_is_exact(tree, params):
     ids=["accept-any", "biased-coin"],
 )
 def test_wrong_verifier_fails_the_test(monkeypatch, coins):
-    uniforms = verify._uniforms
-    monkeypatch.setattr(verify, "_uniforms", lambda *args: coins(uniforms(*args)))
+    uniforms = verify.draw_coins
+    monkeypatch.setattr(verify, "draw_coins", lambda *args: coins(uniforms(*args)))
     p1, _ = target_first_two(TREE, PARAMS[0])
     first, _ = speculative_first_two(TREE, PARAMS[0])
     assert chi2_pvalue(first, p1) < P_MIN
@@ -242,10 +247,10 @@ def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypat
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), top2], 1)
     parents = torch.tensor([[-1, 0, 0]] * B)
     params = SamplingParams(top_k=2)
-    monkeypatch.setattr(verify, "_uniforms", lambda n_rows, n, *_: torch.full((n_rows, n), 1 - 2**-24))
+    monkeypatch.setattr(verify, "draw_coins", lambda batch, nodes, *_: torch.full((batch, nodes + 1), 1 - 2**-24))
     acc, n, bonus = verify_sampling(tokens, parents, logits, torch.ones(B, 3, dtype=torch.bool), params)
     last = acc.gather(1, n[:, None])[:, 0]  # the node the bonus follows
-    probs = target_probs(logits, params)
+    probs = probs_of(logits, params)
     assert (probs[torch.arange(B), last, bonus] > 0).all()
 
 
@@ -285,19 +290,19 @@ def test_params_validation():
 def test_target_probs_filters():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
     full = logits.softmax(-1)
-    k2 = target_probs(logits, SamplingParams(top_k=2))
+    k2 = probs_of(logits, SamplingParams(top_k=2))
     assert torch.allclose(k2[0], torch.tensor([full[0, 0], full[0, 1], 0, 0]) / full[0, :2].sum())
     # top_p = 0.7: keep the shortest prefix by probability with mass >= 0.7 (row 0: 0.644 + 0.237).
-    p = target_probs(logits, SamplingParams(top_p=0.7))
+    p = probs_of(logits, SamplingParams(top_p=0.7))
     assert torch.equal(p[0] > 0, torch.tensor([True, True, False, False]))
     assert torch.allclose(p.sum(-1), torch.ones(2))
     # A top_k past the vocabulary (the API bounds it from below only) keeps every token, however large.
     for huge in (4, 5, 2**70):
-        assert torch.equal(target_probs(logits, [SamplingParams(top_k=huge)] * 2), full)
-    mixed = target_probs(logits, [SamplingParams(temperature=0), SamplingParams(temperature=2.0)])
+        assert torch.equal(probs_of(logits, [SamplingParams(top_k=huge)] * 2), full)
+    mixed = probs_of(logits, [SamplingParams(temperature=0), SamplingParams(temperature=2.0)])
     assert torch.equal(mixed[0], torch.tensor([1.0, 0, 0, 0]))
     # A temperature too small to divide by (float32 overflows to inf, then NaN) is greedy, as 0 is.
     for tiny in (1e-6, 1e-40, 1e-300):
-        assert torch.equal(target_probs(logits, [SamplingParams(temperature=tiny)] * 2), target_probs(
+        assert torch.equal(probs_of(logits, [SamplingParams(temperature=tiny)] * 2), probs_of(
             logits, SamplingParams(temperature=0)))
     assert torch.allclose(mixed[1], (logits[1] / 2).softmax(-1))
