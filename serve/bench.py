@@ -10,9 +10,9 @@ decode step split into draft / verify / accept (KV moves, draft extension, bookk
 step spends outside those three (scheduling, block tables, input copies), all timed one step at a time; output
 tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
 where steps overlap that host time unless `--disable-overlap`; and the speedup over speculation off at the same
-batch size. `--temperature` samples instead of decoding greedily. `--compare-hf` times Hugging Face `generate` on the
-batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step costs are what such a run
-measures.
+batch size. `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf`
+times Hugging Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at
+random); step costs are what such a run measures.
 """
 
 from __future__ import annotations
@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every request (default 0: greedy); above 0 the draws come from "
                         "the shared generator, so τ varies a little from run to run")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus mass every sampled request keeps (default 1: off; needs --temperature)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="most likely tokens every sampled request keeps (default 0: off; needs --temperature)")
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
@@ -243,10 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     dtype = default_dtype(args.device)
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
-    try:
-        params = SamplingParams(temperature=args.temperature)
-    except ValueError as e:
-        parser.error(f"--temperature: {e}")
+    for flag, value in (("--temperature", dict(temperature=args.temperature)), ("--top-p", dict(top_p=args.top_p)),
+                        ("--top-k", dict(top_k=args.top_k))):
+        try:
+            SamplingParams(**value)
+        except ValueError as e:
+            parser.error(f"{flag}: {e}")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if params.greedy and (params.top_p < 1 or params.top_k > 0):
+        parser.error("--top-p and --top-k filter sampled tokens: set --temperature above 0 (0 decodes greedily)")
     if args.compare_hf and not params.greedy:
         parser.error("--compare-hf times Hugging Face's greedy generate: leave --temperature at 0")
     if args.random_weights:  # before building a model

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from eyas.common.architectures import random_target
-from eyas.serve import engine
 from eyas.serve.autotune import read_autotune, setting_for
 from eyas.serve.bench import generate_all, main, random_head, warm_engine
 from eyas.serve.draft import TreeShape
+from eyas.serve.sampling import SamplingRows
 
 
 def test_bench_tiny_random(tmp_path, capsys):
@@ -41,17 +41,22 @@ def test_bad_tree_is_a_usage_error(tree, message, capsys):
 
 
 def test_bench_at_a_temperature_samples(monkeypatch, capsys):
-    sampled = []
-    verify_sampling = engine.verify_sampling
-    monkeypatch.setattr(engine, "verify_sampling", lambda *args: sampled.append(args[4]) or verify_sampling(*args))
+    sampled = []  # the parameters of every sampled verification: the prefill's first tokens, then decode steps'
+    of = SamplingRows.of
+    monkeypatch.setattr(SamplingRows, "of", lambda params, *args: sampled.append(params) or of(params, *args))
     main(["--random-weights", "--arch", "tiny", "--input-len", "16", "--output-len", "6", "--batch-sizes", "2",
-          "--trees", "2,2,4", "--temperature", "0.9", "--device", "cpu"])
+          "--trees", "2,2,4", "--temperature", "0.9", "--top-p", "0.8", "--top-k", "50", "--device", "cpu"])
     assert "speedup" in capsys.readouterr().out
-    assert sampled and all(p.temperature == 0.9 for params in sampled for p in params)
+    assert len(sampled) > 2 and all((p.temperature, p.top_p, p.top_k) == (0.9, 0.8, 50)
+                                    for params in sampled for p in params[:2])  # rows past 2: batch padding
 
 
 @pytest.mark.parametrize("args, words", [(["--output-len", "1"], "--output-len must be at least 2, got 1"),
                                          (["--temperature", "-1"], "--temperature: temperature must be a finite"),
+                                         (["--temperature", "1", "--top-p", "1.5"], "--top-p: top_p must be in (0, 1]"),
+                                         (["--temperature", "1", "--top-k", "-3"], "--top-k: top_k must be an int"),
+                                         (["--top-p", "0.9"], "--top-p and --top-k filter sampled tokens: set "
+                                          "--temperature above 0"),
                                          (["--temperature", "0.7", "--compare-hf"], "--compare-hf times Hugging "
                                           "Face's greedy generate: leave --temperature at 0"),
                                          (["--draft", "head", "--compare-hf"],
