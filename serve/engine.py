@@ -269,16 +269,20 @@ class Engine:
         return requests
 
     def warm_up(self, new_tokens: int = 16) -> None:
-        """Before serving: a greedy generation at each batch bucket up to max_batch_size (each with its tree setting,
-        as autotuned), on prompts of 31 and 32 tokens (Triton compiles a kernel variant for lengths that are a
-        multiple of 16 and one for the rest). The CUDA graphs are captured and the kernels compiled before a request
-        waits for them: seconds, which the first requests would otherwise pay. Leaves no request and every block
-        free."""
+        """Before serving: at each batch bucket up to max_batch_size (each with its tree setting, as autotuned), a
+        greedy generation of `new_tokens` on prompts of 31 and 32 tokens (Triton compiles a kernel variant for
+        lengths that are a multiple of 16 and one for the rest), then a decode step of sampled requests, without and
+        with top-p (each verifies in a graph of its own: `_target_pass`). The CUDA graphs are captured and the
+        kernels compiled before a request waits for them: seconds, which the first requests would otherwise pay.
+        (A batch mixing greedy and sampled requests captures its graph when it first runs.) Leaves no request and
+        every block free."""
         vocab = self.target.config.vocab_size
         sizes = [b for b in BATCH_BUCKETS if b < self.config.max_batch_size] + [self.config.max_batch_size]
         for batch in sizes:
             prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
             self.generate(prompts, SamplingParams(temperature=0), new_tokens)
+            for sampled in (SamplingParams(), SamplingParams(top_p=0.95)):
+                self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
 
     # ---- scheduling -----------------------------------------------------------------------------
 
@@ -444,9 +448,8 @@ class Engine:
         valid = torch.ones_like(tokens, dtype=torch.bool)
         if all(r.params.greedy for r in requests):
             return verify_greedy(tokens, parents, logits, valid, depth)
-        generators = [r.generator for r in requests]  # None throughout: one draw from the shared generator
-        return verify_sampling(tokens, parents, logits, valid, [r.params for r in requests],
-                               None if all(g is None for g in generators) else generators, depth)
+        return verify_sampling(tokens, parents, logits, valid, [r.params for r in requests], _generators(requests),
+                               depth)
 
     @torch.no_grad()
     def _decode(self, requests: list[Request], after: DecodeStep | None = None) -> DecodeStep | None:
@@ -488,15 +491,14 @@ class Engine:
 
     def _sampling(self, requests: list[Request], pad: int, tree: DraftTree) -> tuple[SamplingRows, Tensor] | None:
         """None when every request is greedy; else the B' rows' sampling parameters and coins [B', N + 1] for
-        `walk_sampling` (padding rows sample at temperature 1 with coins of 0; what they accept is dropped). The
-        coins come from each request's generator, outside the graph, so seeded requests draw what they draw eagerly."""
+        `walk_sampling` (padding rows sample at temperature 1 with coins of 0: they accept paths, which write only the
+        scratch block, and nothing of them reaches the host). The coins come from each request's generator, outside
+        the graph, so seeded requests draw what they draw eagerly."""
         if all(r.params.greedy for r in requests):
             return None
         rows = SamplingRows.of([r.params for r in requests] + [SamplingParams()] * pad, len(requests) + pad,
                                self.target.config.vocab_size, self.device)
-        generators = [r.generator for r in requests]  # None throughout: one draw from the shared generator
-        coins = draw_coins(len(requests), tree.tokens.shape[1], None if all(g is None for g in generators)
-                           else generators, self.device)
+        coins = draw_coins(len(requests), tree.tokens.shape[1], _generators(requests), self.device)
         return rows, F.pad(coins, (0, 0, 0, pad))
 
     def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, depth: int,
@@ -623,6 +625,12 @@ def step_reserve(trees: list[TreeShape]) -> int:
     """Positions a decode step may write beyond the cached ones: the largest tree (or the root), or the draft's
     scratch, and one more."""
     return 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in trees])
+
+
+def _generators(requests: list[Request]) -> list[torch.Generator | None] | None:
+    """The requests' own generators, or None when none has one: then one draw from the shared generator serves all."""
+    generators = [r.generator for r in requests]
+    return None if all(g is None for g in generators) else generators
 
 
 def _walk_sampling(filtered: bool, any_greedy: bool, depth: int, tokens: Tensor, parents: Tensor, logits: Tensor,

@@ -9,7 +9,7 @@ from eyas.common.architectures import random_target
 from eyas.serve.autotune import read_autotune, setting_for
 from eyas.serve.bench import generate_all, main, random_head, warm_engine
 from eyas.serve.draft import TreeShape
-from eyas.serve.sampling import SamplingRows
+from eyas.serve.engine import Engine
 
 
 def test_bench_tiny_random(tmp_path, capsys):
@@ -41,14 +41,15 @@ def test_bad_tree_is_a_usage_error(tree, message, capsys):
 
 
 def test_bench_at_a_temperature_samples(monkeypatch, capsys):
-    sampled = []  # the parameters of every sampled verification: the prefill's first tokens, then decode steps'
-    of = SamplingRows.of
-    monkeypatch.setattr(SamplingRows, "of", lambda params, *args: sampled.append(params) or of(params, *args))
+    decode_steps = []  # each decode step's requests' sampling parameters
+    sampling = Engine._sampling
+    monkeypatch.setattr(Engine, "_sampling", lambda self, requests, *args: decode_steps.append(
+        [r.params for r in requests]) or sampling(self, requests, *args))
     main(["--random-weights", "--arch", "tiny", "--input-len", "16", "--output-len", "6", "--batch-sizes", "2",
           "--trees", "2,2,4", "--temperature", "0.9", "--top-p", "0.8", "--top-k", "50", "--device", "cpu"])
     assert "speedup" in capsys.readouterr().out
-    assert len(sampled) > 2 and all((p.temperature, p.top_p, p.top_k) == (0.9, 0.8, 50)
-                                    for params in sampled for p in params[:2])  # rows past 2: batch padding
+    assert decode_steps and all((p.temperature, p.top_p, p.top_k) == (0.9, 0.8, 50)
+                                for params in decode_steps for p in params)
 
 
 @pytest.mark.parametrize("args, words", [(["--output-len", "1"], "--output-len must be at least 2, got 1"),

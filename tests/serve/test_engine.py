@@ -213,6 +213,33 @@ def test_sampled_verification_in_the_cuda_graph(hf_checkpoint, target):
     assert engine.graphs.capture and any("sampled verification" in key[0] for key in engine.graphs.graphs)
 
 
+def sampled_run(target, ps, params, monkeypatch):
+    """Runs `ps` with `params` -> their outputs and what `Engine._sampling` returned at each decode step."""
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=96))
+    verified, sampling = [], engine._sampling
+    monkeypatch.setattr(engine, "_sampling", lambda *args: verified.append(sampling(*args)) or verified[-1])
+    requests = [engine.add_request(p, q, 16) for p, q in zip(ps, params, strict=True)]
+    while engine.has_work():
+        engine.step()
+    return [r.output for r in requests], verified
+
+
+def test_sampled_decoding_is_the_same_padded_or_not(target, monkeypatch):
+    """Seeded sampled requests (temperature 0.8, one with top-p) draw the same tokens whether their batch is padded to
+    its bucket (3 -> 4 rows, as CUDA graphs run it) or not: parameters and coins reach their own rows; and every
+    decode step verifies them by sampling."""
+    ps = prompts(3, target.config.vocab_size, seed=6)
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_p=0.9, seed=2),
+              SamplingParams(temperature=0.8, seed=3)]
+    runs = {}
+    for padded in (False, True):
+        monkeypatch.setattr(TorchPagedAttention, "graph_safe", padded)
+        runs[padded], verified = sampled_run(target, ps, params, monkeypatch)
+        assert verified and all(v is not None for v in verified)
+    assert runs[True] == runs[False]
+    assert runs[True] != [list(greedy_tokens(target, p, 16)) for p in ps]
+
+
 def chained_steps(engine: Engine, monkeypatch) -> list[int]:
     """Records the batch size of every decode step queued from the one before (`Engine.step`'s overlap), and
     checks that its padding rows stay at an empty prefix (their block tables hold only the scratch block)."""
@@ -387,9 +414,10 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     engine = Engine(target, random_head(target), config)
     batches = []
     generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda ps, *args: batches.append(len(ps)) or generate(ps, *args))
+    monkeypatch.setattr(engine, "generate", lambda ps, params, *args: batches.append(
+        (len(ps), params.temperature, params.top_p)) or generate(ps, params, *args))
     engine.warm_up(new_tokens=4)
-    assert batches == [1, 2, 3]
+    assert batches == [(b, t, p) for b in (1, 2, 3) for t, p in ((0, 1), (1, 1), (1, 0.95))]
     assert not engine.has_work() and engine.pool.allocator.num_free == 128
     ps = prompts(3, target.config.vocab_size)
     fresh = Engine(target, random_head(target), config).generate(ps, GREEDY, max_new_tokens=12)

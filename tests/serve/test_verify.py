@@ -257,7 +257,8 @@ def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypat
 @pytest.mark.gpu
 def test_sampling_walk_never_waits_for_the_gpu():
     """On CUDA the sampling walk, its per-request parameters and seeds included, queues its work and never reads
-    the device (so the engine queues the next step behind it); its paths are still well formed."""
+    the device (so the engine can capture it in the target pass's graph, and a prefill's first token queues the
+    steps after it); its paths are still well formed."""
     tokens, parents, logits, valid = (x.cuda() for x in random_trees())
     params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=i) for i in range(len(tokens))]
     generators = [make_generator(p, "cuda") for p in params]
