@@ -37,7 +37,14 @@ from eyas.data.conversations import read_conversations, read_json_lines
 from eyas.data.tokenizer import render_chat
 
 from .autotune import format_setting, parse_setting, write_autotune
-from .commands import add_engine_arguments, engine_options, load_models, tree_setting
+from .commands import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_options,
+    load_models,
+    sampling_params,
+    tree_setting,
+)
 from .draft import TreeShape
 from .engine import Engine, EngineConfig, Request, step_reserve
 from .evaluate import load_questions
@@ -231,13 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trees", type=tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature of every request (default 0: greedy); above 0 the draws come from "
-                        "the shared generator, so τ varies a little from run to run")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="nucleus mass every sampled request keeps (default 1: off; needs --temperature)")
-    parser.add_argument("--top-k", type=int, default=0,
-                        help="most likely tokens every sampled request keeps (default 0: off; needs --temperature)")
+    add_sampling_arguments(parser)  # above 0 the draws come from the shared generator: τ varies from run to run
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
@@ -247,15 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = default_dtype(args.device)
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
-    for flag, value in (("--temperature", dict(temperature=args.temperature)), ("--top-p", dict(top_p=args.top_p)),
-                        ("--top-k", dict(top_k=args.top_k))):
-        try:
-            SamplingParams(**value)
-        except ValueError as e:
-            parser.error(f"{flag}: {e}")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if params.greedy and (params.top_p < 1 or params.top_k > 0):
-        parser.error("--top-p and --top-k filter sampled tokens: set --temperature above 0 (0 decodes greedily)")
+    params = sampling_params(parser, args)
     if args.compare_hf and not params.greedy:
         parser.error("--compare-hf times Hugging Face's greedy generate: leave --temperature at 0")
     if args.random_weights:  # before building a model

@@ -102,6 +102,8 @@ class EndpointClient(Client):
         self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600, transport=transport)
         self.body = {"model": model or self._served_model(), "max_tokens": max_new_tokens,
                      "temperature": params.temperature, "top_p": params.top_p}
+        if params.top_k > 0:  # an extension of the OpenAI API (serve-eagle's, vLLM's): sent only when it is used
+            self.body["top_k"] = params.top_k
         self.pending: set[Future] = set()
 
     def _served_model(self) -> str:

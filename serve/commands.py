@@ -1,8 +1,10 @@
-"""What the command-line tools (serve-eagle, eval-eagle, bench-eagle, regenerate, chat) share: the engine and
-tree flags, and loading a target with its tokenizer and draft head.
+"""What the command-line tools (serve-eagle, eval-eagle, bench-eagle, regenerate, chat) share: the engine, tree and
+sampling flags, and loading a target with its tokenizer and draft head.
 
     add_tree_arguments(parser, TreeShape(7, 1, 8))      # --num-steps, --topk, --num-draft-tokens
     tree = tree_shape(parser, parser.parse_args())      # an impossible tree is a usage error
+    add_sampling_arguments(parser)                      # --temperature, --top-p, --top-k
+    params = sampling_params(parser, args)              # a bad value is a usage error naming its flag
     parser.add_argument("--trees", type=tree_setting, nargs="+")   # settings such as 7,1,8 or off
     target, head, tokenizer, path = load_models("smollm2-135m-instruct", "runs/quickstart/final", device="cuda")
 """
@@ -24,6 +26,7 @@ from eyas.data.tokenizer import load_tokenizer
 from .attention import BACKENDS
 from .autotune import parse_setting
 from .draft import TreeShape
+from .sampling import SamplingParams
 
 
 def engine_options(args) -> dict:
@@ -62,6 +65,31 @@ def tree_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tre
     except ValueError as e:
         parser.error(f"invalid tree (--num-steps {args.num_steps} --topk {args.topk} "
                      f"--num-draft-tokens {args.num_draft_tokens}): {e}")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-p and --top-k of every request; read them with `sampling_params`."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus mass every sampled request keeps (default 1: off; needs --temperature)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="most likely tokens every sampled request keeps (default 0: off; needs --temperature)")
+
+
+def sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of `add_sampling_arguments`' flags. A value SamplingParams rejects, or a filter without a
+    temperature (greedy decoding would ignore it), is a usage error naming the flag."""
+    for flag, value in (("--temperature", dict(temperature=args.temperature)), ("--top-p", dict(top_p=args.top_p)),
+                        ("--top-k", dict(top_k=args.top_k))):
+        try:
+            SamplingParams(**value)
+        except ValueError as e:
+            parser.error(f"{flag}: {e}")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if params.greedy and (params.top_p < 1 or params.top_k > 0):
+        parser.error("--top-p and --top-k filter sampled tokens: set --temperature above 0 (0 decodes greedily)")
+    return params
 
 
 def tree_setting(text: str) -> TreeShape | None:

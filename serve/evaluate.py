@@ -41,10 +41,17 @@ from eyas.common.assets import asset_path
 from eyas.data.conversations import Conversation, read_json_lines
 
 from .clients import Client, EndpointClient, EngineClient
-from .commands import add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
+from .commands import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    add_tree_arguments,
+    engine_options,
+    load_models,
+    sampling_params,
+    tree_shape,
+)
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
-from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
     parser.add_argument("--limit", type=int, help="only the first N questions")
     add_tree_arguments(parser, TreeShape(7, 1, 8))
-    parser.add_argument("--temperature", type=float, default=0.0)
+    add_sampling_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
@@ -241,14 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
+    params = sampling_params(parser, args)
 
     try:
         questions = load_questions(args.bench)[: args.limit]
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
-    params = SamplingParams(temperature=args.temperature)
-    settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                "concurrency": args.concurrency}
+    settings = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency}
     if args.endpoint:
         client_on = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
         client_off = EndpointClient(args.endpoint_off, args.model, params, args.max_new_tokens) \

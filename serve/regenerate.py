@@ -30,9 +30,8 @@ from eyas.common.assets import resolve_asset, resolve_asset_argument
 from eyas.data.conversations import Conversation, read_conversations
 
 from .clients import Client, EndpointClient, EngineClient
-from .commands import add_engine_arguments, engine_options, load_models
+from .commands import add_engine_arguments, add_sampling_arguments, engine_options, load_models, sampling_params
 from .engine import Engine, EngineConfig
-from .sampling import SamplingParams
 
 
 class Rewrite:
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, help="regenerate only the first N conversations")
     parser.add_argument("--batch-size", type=int, default=64, help="conversations in flight at once")
     parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    add_sampling_arguments(parser)
     parser.add_argument("--max-prompt-tokens", type=int,
                         help="end a conversation before a turn whose prompt is longer (e.g. training's max_length; "
                         "in-process only)")
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    params = SamplingParams(temperature=args.temperature)
+    params = sampling_params(parser, args)
     if (args.target is None) == (args.endpoint is None):
         parser.error("give exactly one of --target (in-process) and --endpoint")
     if args.endpoint and args.max_prompt_tokens is not None:  # prompts are counted in the target's tokens

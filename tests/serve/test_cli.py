@@ -1,7 +1,9 @@
-"""serve-eagle's arguments: serving recipes map onto its flags, flags given override them, unknown keys fail."""
+"""serve-eagle's arguments: serving recipes map onto its flags, flags given override them, unknown keys fail; the
+sampling flags every tool shares are checked before anything loads."""
 
 import pytest
 
+from eyas.serve import bench, evaluate, profile, regenerate
 from eyas.serve.cli import SERVE_RECIPES, parse_args
 from eyas.serve.commands import engine_options
 from eyas.serve.engine import EngineConfig
@@ -62,3 +64,20 @@ def test_impossible_tree_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stopped:
         parse_args(["--recipe", "smollm2-135m", "--topk", "2", "--num-draft-tokens", "99"])
     assert stopped.value.code == 2 and "--num-draft-tokens 99" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main, args", [
+    (bench.main, ["--random-weights", "--arch", "tiny", "--device", "cpu"]),
+    (profile.main, ["--arch", "tiny", "--device", "cpu"]),
+    (evaluate.main, ["--target", "no-such-target", "--draft", "no-such-head", "--device", "cpu"]),
+    (regenerate.main, ["--data", "no-such-data.json", "--output", "out.jsonl", "--target", "no-such-target"]),
+], ids=["bench-eagle", "profile", "eval-eagle", "regenerate"])
+@pytest.mark.parametrize("flags, words", [
+    (["--temperature", "-1"], "--temperature: temperature must be a finite number"),
+    (["--temperature", "0.7", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+    (["--top-k", "5"], "--top-p and --top-k filter sampled tokens: set --temperature above 0"),
+], ids=["temperature", "top-p", "filter-when-greedy"])
+def test_sampling_flags_are_usage_errors_before_anything_loads(main, args, flags, words, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(args + flags)
+    assert stopped.value.code == 2 and words in capsys.readouterr().err

@@ -146,6 +146,15 @@ def test_endpoint_without_models_asks_for_one():
         EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, empty)
 
 
+def test_endpoint_requests_carry_the_sampling_parameters():
+    """Temperature and top-p always; top-k (an extension of the OpenAI API) only when a run sets it."""
+    models = httpx.MockTransport(lambda request: httpx.Response(200, json={"data": [{"id": "served"}]}))
+    plain = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0.7, top_p=0.9), 8, models)
+    assert (plain.body["temperature"], plain.body["top_p"], "top_k" in plain.body) == (0.7, 0.9, False)
+    filtered = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0.7, top_k=20), 8, models)
+    assert filtered.body["top_k"] == 20
+
+
 def test_endpoint_refusing_a_prompt_skips_it(caplog):
     """A 400 that blames the prompt (too long for the context) skips it, warned and counted; the run goes on."""
     too_long = {"param": "messages", "code": "context_length_exceeded",
