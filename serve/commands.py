@@ -67,14 +67,18 @@ def tree_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tre
                      f"--num-draft-tokens {args.num_draft_tokens}): {e}")
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """--temperature, --top-p and --top-k of every request; read them with `sampling_params`."""
+def add_sampling_arguments(parser: argparse.ArgumentParser, top_k: bool = True) -> None:
+    """--temperature, --top-p and (with `top_k`) --top-k of every request; read them with `sampling_params`. A tool
+    with the tree's --topk leaves --top-k out: one letter apart, each would be taken for the other."""
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every request (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="nucleus mass every sampled request keeps (default 1: off; needs --temperature)")
-    parser.add_argument("--top-k", type=int, default=0,
-                        help="most likely tokens every sampled request keeps (default 0: off; needs --temperature)")
+    if top_k:
+        parser.add_argument("--top-k", type=int, default=0,
+                            help="most likely tokens every sampled request keeps (default 0: off; needs --temperature)")
+    else:
+        parser.set_defaults(top_k=0)
 
 
 def sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SamplingParams:

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
     parser.add_argument("--limit", type=int, help="only the first N questions")
     add_tree_arguments(parser, TreeShape(7, 1, 8))
-    add_sampling_arguments(parser)
+    add_sampling_arguments(parser, top_k=False)  # --topk is the tree's
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")

@@ -75,7 +75,7 @@ def test_impossible_tree_is_a_usage_error(capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--temperature", "-1"], "--temperature: temperature must be a finite number"),
     (["--temperature", "0.7", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
-    (["--top-k", "5"], "--top-p and --top-k filter sampled tokens: set --temperature above 0"),
+    (["--top-p", "0.5"], "--top-p and --top-k filter sampled tokens: set --temperature above 0"),
 ], ids=["temperature", "top-p", "filter-when-greedy"])
 def test_sampling_flags_are_usage_errors_before_anything_loads(main, args, flags, words, capsys):
     with pytest.raises(SystemExit) as stopped:
