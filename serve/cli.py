@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(target, head, config)
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()
-        engine.warm_up()
+        engine.warm_up(progress=True)
         print(f"[serve-eagle] warmed up (CUDA graphs and kernels for batch sizes up to {config.max_batch_size}) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     name = args.model_name or model_name(args.target, path)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import sys
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
 from eyas.common.attention import causal_mask
 from eyas.common.head_checkpoint import DraftHead
@@ -268,17 +270,17 @@ class Engine:
             self.step()
         return requests
 
-    def warm_up(self, new_tokens: int = 16) -> None:
+    def warm_up(self, new_tokens: int = 16, progress: bool = False) -> None:
         """Before serving: at each batch bucket up to max_batch_size (each with its tree setting, as autotuned), a
         greedy generation of `new_tokens` on prompts of 31 and 32 tokens (Triton compiles a kernel variant for
         lengths that are a multiple of 16 and one for the rest), then a decode step of sampled requests, without and
         with top-p (each verifies in a graph of its own: `_target_pass`). The CUDA graphs are captured and the
         kernels compiled before a request waits for them: seconds, which the first requests would otherwise pay.
         (A batch mixing greedy and sampled requests captures its graph when it first runs.) Leaves no request and
-        every block free."""
+        every block free. `progress`: a bar on stderr, a step per batch size."""
         vocab = self.target.config.vocab_size
         sizes = [b for b in BATCH_BUCKETS if b < self.config.max_batch_size] + [self.config.max_batch_size]
-        for batch in sizes:
+        for batch in tqdm(sizes, desc="warming up", unit="batch size", disable=not progress, file=sys.stderr):
             prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
             self.generate(prompts, SamplingParams(temperature=0), new_tokens)
             for sampled in (SamplingParams(), SamplingParams(top_p=0.95)):

@@ -409,15 +409,17 @@ def test_abort_frees_blocks(target):
     assert request.finish_reason == "abort" and engine.pool.allocator.num_free == 64 and not engine.has_work()
 
 
-def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, monkeypatch):
+def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, monkeypatch, capsys):
     config = EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128, max_batch_size=3)
     engine = Engine(target, random_head(target), config)
     batches = []
     generate = engine.generate
     monkeypatch.setattr(engine, "generate", lambda ps, params, *args: batches.append(
         (len(ps), params.temperature, params.top_p)) or generate(ps, params, *args))
-    engine.warm_up(new_tokens=4)
+    engine.warm_up(new_tokens=4, progress=True)
     assert batches == [(b, t, p) for b in (1, 2, 3) for t, p in ((0, 1), (1, 1), (1, 0.95))]
+    err = capsys.readouterr().err  # the bar, one step per batch size
+    assert "warming up: 100%" in err and "3/3" in err
     assert not engine.has_work() and engine.pool.allocator.num_free == 128
     ps = prompts(3, target.config.vocab_size)
     fresh = Engine(target, random_head(target), config).generate(ps, GREEDY, max_new_tokens=12)
