@@ -62,7 +62,7 @@ from .kv_cache import KVPool, OutOfBlocks
 from .sampling import SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
-from .verify import draw_coins, verify_greedy, verify_sampling, walk_sampling
+from .verify import descend, draw_coins, verify_greedy, verify_sampling, walk_sampling
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
         draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
-        self.verify_greedy = verify_greedy  # in the target pass's graph
+        self.verify_greedy, self.descend = verify_greedy, descend  # in the target pass's graph
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from . import kernels
 
@@ -172,7 +172,8 @@ class Engine:
             for model in (target, head):  # fused elementwise kernels (the layers' torch ones are the reference)
                 if model is not None:
                     kernels.install(model)
-            draft_kernels, self.verify_greedy = kernels.DRAFT, kernels.verify_greedy
+            draft_kernels = kernels.DRAFT
+            self.verify_greedy, self.descend = kernels.verify_greedy, kernels.descend
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -515,7 +516,7 @@ class Engine:
         else:
             rows, coins = sampling
             name = f"target, sampled verification {depth}, filtered {rows.filtered}, greedy rows {rows.any_greedy}"
-            verify = functools.partial(_walk_sampling, rows.filtered, rows.any_greedy, depth)
+            verify = functools.partial(self._verify_sampled, rows.filtered, rows.any_greedy, depth)
             inputs += (rows.values, coins)
         hidden, aux, *verified = self.graphs(name, functools.partial(self._target_forward, verify), *inputs)
         return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *verified)
@@ -527,6 +528,12 @@ class Engine:
         aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
         return (out.hidden, aux) + verify(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
                                           *verify_inputs)
+
+    def _verify_sampled(self, filtered: bool, any_greedy: bool, depth: int, tokens: Tensor, parents: Tensor,
+                        logits: Tensor, node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, ...]:
+        """`walk_sampling` on graph inputs: the rows' parameter tensor stands for its `SamplingRows`."""
+        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, filtered, any_greedy), coins,
+                             depth, self.descend)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,
@@ -633,12 +640,6 @@ def _generators(requests: list[Request]) -> list[torch.Generator | None] | None:
     """The requests' own generators, or None when none has one: then one draw from the shared generator serves all."""
     generators = [r.generator for r in requests]
     return None if all(g is None for g in generators) else generators
-
-
-def _walk_sampling(filtered: bool, any_greedy: bool, depth: int, tokens: Tensor, parents: Tensor, logits: Tensor,
-                   node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`walk_sampling` on graph inputs: the rows' parameter tensor stands for its `SamplingRows`."""
-    return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, filtered, any_greedy), coins, depth)
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:

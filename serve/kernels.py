@@ -2,8 +2,8 @@
 and k (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend
 calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
 fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculation, the draft's top-k log-probs,
-the draft tree's bookkeeping (each pass's next frontier, the final tree) and greedy verification's walk down the
-tree.
+the draft tree's bookkeeping (each pass's next frontier, the final tree) and verification's walks down the tree,
+greedy and sampled.
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -15,10 +15,10 @@ rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever
 the attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
-`verify_greedy` in place of their torch references (`serve.tree`, `serve.verify`), which they equal. They have no
-backward: the trainer keeps the torch kernels. Launches read
-sizes from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the
-current CUDA device; on Hopper and later, with programmatic dependent launch (`launch_options`).
+`verify_greedy` and `descend` (the sampled walk) in place of their torch references (`serve.tree`, `serve.verify`),
+which they equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor
+shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device; on
+Hopper and later, with programmatic dependent launch (`launch_options`).
 """
 
 from __future__ import annotations
@@ -572,6 +572,54 @@ def _greedy_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted
     tl.store(accepted_ptr + node, accepted, mask=ok)
     tl.store(num_ptr + row, num)
     tl.store(bonus_ptr + row, tl.load(target_ptr + row * N + cur))
+
+
+def descend(q: Tensor, mass: Tensor, parents: Tensor, node_valid: Tensor, coins: Tensor, steps: int
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`eyas.serve.verify.descend` in one launch (torch takes about twenty kernels a tree level), one program
+    per row. The mass left once elder siblings are rejected is summed in the kernel's own order, so a coin within
+    float32 rounding of its threshold may fall the other way than in torch: both are exact samplers."""
+    B, N = q.shape
+    accepted = torch.empty(B, N, dtype=torch.long, device=q.device)
+    num_accepted, cur = (torch.empty(B, dtype=torch.long, device=q.device) for _ in range(2))
+    walking = torch.empty(B, dtype=torch.bool, device=q.device)
+    q, mass, parents, node_valid, coins = (x.contiguous() for x in (q, mass, parents, node_valid, coins))
+    _descend_kernel[(B,)](q, mass, parents, node_valid, coins, accepted, num_accepted, cur, walking, N,
+                          STEPS=steps, BLOCK=triton.next_power_of_2(N), **launch_options(q.device))
+    return accepted, num_accepted, cur, walking
+
+
+@jit
+def _descend_kernel(q_ptr, mass_ptr, parents_ptr, valid_ptr, coins_ptr, accepted_ptr, num_ptr, cur_ptr, walking_ptr,
+                    N, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)  # node indices
+    ok = j < N
+    node = row * N + j
+    parents = tl.load(parents_ptr + node, mask=ok, other=-1)
+    valid = tl.load(valid_ptr + node, mask=ok, other=0) != 0
+    q = tl.load(q_ptr + node, mask=ok, other=0.0)
+    coins = tl.load(coins_ptr + row * (N + 1) + j, mask=ok, other=1.0)
+    accepted = tl.where(j == 0, 0, -1)
+    cur = 0  # the last accepted node
+    num = 0
+    walking = True  # whether the last level accepted a child
+    for depth in tl.static_range(1, STEPS + 1):
+        children = valid & (parents == cur)  # in rank order
+        tested = tl.where(children, q, 0.0)
+        left = tl.load(mass_ptr + row * N + cur) - (tl.cumsum(tested, 0) - tested)
+        passed = children & (coins < tested / left) & walking
+        child = tl.min(tl.where(passed, j, BLOCK), 0)  # the first child whose coin passed
+        found = child < BLOCK
+        accepted = tl.where((j == depth) & found, child, accepted)
+        cur = tl.where(found, child, cur)
+        num += found.to(tl.int32)
+        walking = found
+    tl.store(accepted_ptr + node, accepted, mask=ok)
+    tl.store(num_ptr + row, num)
+    tl.store(cur_ptr + row, cur)
+    tl.store(walking_ptr + row, walking)
 
 
 FRONTIER_MAX_K = 16  # larger k: the torch reference (the kernel ranks k·k children against each other)

@@ -26,13 +26,14 @@ engine captures either in the target pass's CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .sampling import SamplingParams, SamplingRows, target_probs
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
+Walk = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # `descend`'s signature
 
 
 def verify_greedy(
@@ -90,6 +91,7 @@ def walk_sampling(
     sampling: SamplingRows,
     coins: torch.Tensor,
     max_depth: int | None = None,
+    walk: Walk | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs).
 
@@ -116,7 +118,8 @@ def walk_sampling(
     CUDA graph.
 
     sampling: each request's parameters. coins [B, N + 1] uniforms in [0, 1) (`draw_coins`): one per node (each
-    node is tested at most once, as a child), and the last for the bonus.
+    node is tested at most once, as a child), and the last for the bonus. walk: `descend`, or the fused kernel
+    that equals it (the engine's on CUDA).
     """
     B, N = tokens.shape
     dev = tokens.device
@@ -127,31 +130,43 @@ def walk_sampling(
     same = (parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])  # [B, j, k]
     repeat = (same & node_valid[:, :, None] & (idx[:, None] < idx)).any(1)  # [B, N]
 
-    accepted = torch.full((B, N), -1, dtype=torch.long, device=dev)
-    accepted[:, 0] = 0
-    num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] last accepted node
-    walking = torch.ones(B, dtype=torch.bool, device=dev)  # rows whose last level accepted a child
+    # q[b, j]: node j's probability after its parent, the q it has when tested (0 for the root, padding and repeats).
+    q = torch.where(node_valid & (parents >= 0) & ~repeat, probs[rows[:, None], parents.clamp(min=0), tokens], 0.0)
     steps = N - 1 if max_depth is None else min(max_depth, N - 1)  # a node at depth d has index >= d
-    for depth in range(1, steps + 1):
-        p = probs[rows, cur]  # [B, V] at the current node
-        children = node_valid & (parents == cur[:, None])  # [B, N], in rank order
-        q = torch.where(children & ~repeat, p.gather(1, tokens), 0.0)  # [B, N] each child's q when tested
-        left = p.sum(-1, keepdim=True) - (q.cumsum(1) - q)  # [B, N] mass left once its elder siblings are rejected
-        nxt = _first_true(walking[:, None] & children & (coins[:, :N] < q / left))  # [B], -1: all rejected
-        found = nxt >= 0
-        accepted[:, depth] = nxt  # rows that stopped earlier keep finding nothing: -1
-        num_accepted += found
-        cur = torch.where(found, nxt, cur)
-        walking = found
+    accepted, num_accepted, cur, walking = (walk or descend)(q, probs.sum(-1), parents, node_valid, coins, steps)
     # The bonus: from the last node's p, less the children a stopped row rejected there. Where those held all of p
     # (a last child's ratio, q / left, can round to just below 1), from p: never a token of probability zero.
     p = probs[rows, cur]
     rejected = node_valid & (parents == cur[:, None]) & ~walking[:, None]  # [B, N]
     V = p.shape[-1]
-    q = torch.cat([p, p.new_zeros(B, 1)], 1).scatter_(1, torch.where(rejected, tokens, V), 0.0)[:, :V]
-    q = torch.where(q.sum(-1, keepdim=True) > 0, q, p)
-    return accepted, num_accepted, _sample(q, coins[:, N])
+    rest = torch.cat([p, p.new_zeros(B, 1)], 1).scatter_(1, torch.where(rejected, tokens, V), 0.0)[:, :V]
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)
+    return accepted, num_accepted, _sample(rest, coins[:, N])
+
+
+def descend(q: torch.Tensor, mass: torch.Tensor, parents: torch.Tensor, node_valid: torch.Tensor, coins: torch.Tensor,
+            steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`walk_sampling`'s walk down the trees, `steps` levels: q [B, N] each node's probability after its parent (0:
+    never accepted), mass [B, N] the total of each node's distribution, coins [B, N + 1]. -> accepted [B, N],
+    num_accepted [B], the last accepted node [B] and whether its level accepted a child [B] (False: the row stopped
+    there, its children rejected)."""
+    B, N = q.shape
+    accepted = torch.full((B, N), -1, dtype=torch.long, device=q.device)
+    accepted[:, 0] = 0
+    num_accepted = torch.zeros(B, dtype=torch.long, device=q.device)
+    cur = torch.zeros(B, dtype=torch.long, device=q.device)  # [B] last accepted node
+    walking = torch.ones(B, dtype=torch.bool, device=q.device)
+    for depth in range(1, steps + 1):
+        children = node_valid & (parents == cur[:, None])  # [B, N], in rank order
+        tested = torch.where(children, q, 0.0)
+        left = mass.gather(1, cur[:, None]) - (tested.cumsum(1) - tested)  # mass left once elder siblings are rejected
+        nxt = _first_true(walking[:, None] & children & (coins[:, :N] < tested / left))  # [B], -1: all rejected
+        found = nxt >= 0
+        accepted[:, depth] = nxt  # rows that stopped earlier keep finding nothing: -1
+        num_accepted += found
+        cur = torch.where(found, nxt, cur)
+        walking = found
+    return accepted, num_accepted, cur, walking
 
 
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
