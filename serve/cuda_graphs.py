@@ -12,7 +12,8 @@ The function must be a pure function of its tensor arguments (no host synchronis
 branches on tensor values) and return a tuple of tensors. Writes it makes (KV entries) must be idempotent:
 the first call of each shape runs it three times on that call's inputs (two warm-ups, then the replay). The
 returned tensors are the graph's static outputs: the next replay of the same graph overwrites them, so callers
-copy what they keep.
+copy what they keep. No other graph's replay touches them: the graphs share one memory pool for their scratch
+memory, and the outputs live outside it.
 """
 
 from __future__ import annotations
@@ -60,9 +61,16 @@ class GraphCache:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                fn(*static_inputs)
+                warm = fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
+        # The outputs outlive the replay (the engine reads a step's verification after the next graph has run), so
+        # they live outside the shared pool: a graph captured later may take the pool's free blocks for its scratch
+        # memory, and blocks the pool handed out as outputs would then be overwritten whenever that graph replays.
+        # The graph copies its results into them.
+        outputs = tuple(torch.empty_like(x) for x in warm)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn(*static_inputs)
+            for buffer, x in zip(outputs, fn(*static_inputs), strict=True):
+                buffer.copy_(x)
         return graph, static_inputs, outputs

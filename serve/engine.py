@@ -23,9 +23,9 @@ its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
 drafting, the target pass with its verification (greedy or sampled), and the draft's extension along the accepted
 path with its inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models'
-elementwise work and one-token projections, the draft's top-k, the draft tree's bookkeeping and the greedy walk
-run as fused Triton kernels (`kernels.py`). On every device the engine joins each layer's q/k/v projections,
-and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
+elementwise work and one-token projections, the draft's top-k, the draft tree's bookkeeping and verification's
+walks (greedy and sampled) run as fused Triton kernels (`kernels.py`). On every device the engine joins each
+layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
