@@ -20,11 +20,11 @@ whenever the batch size calls for speculation again.
 A decode step stays in flight: the next `step` queues the one after it from its device outputs before reading
 its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the device's work.
 
-On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree
-drafting, the target pass with its verification (greedy or sampled), and the draft's extension along the accepted
-path with its inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models'
-elementwise work and one-token projections, the draft's top-k, the draft tree's bookkeeping and verification's
-walks (greedy and sampled) run as fused Triton kernels (`kernels.py`). On every device the engine joins each
+On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree drafting, the
+target pass with its verification (greedy or sampled), and the draft's extension along the accepted path with its
+inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work and
+one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks (greedy and sampled)
+and its top-k / top-p filter run as fused Triton kernels (`kernels.py`). On every device the engine joins each
 layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
@@ -59,7 +59,7 @@ from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
-from .sampling import SamplingParams, SamplingRows, make_generator
+from .sampling import SamplingParams, SamplingRows, make_generator, nucleus_floor
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
 from .verify import descend, draw_coins, verify_greedy, verify_sampling, walk_sampling
@@ -164,7 +164,7 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
         draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
-        self.verify_greedy, self.descend = verify_greedy, descend  # in the target pass's graph
+        self.verify_greedy, self.descend, self.nucleus_floor = verify_greedy, descend, nucleus_floor  # in the graph
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from . import kernels
 
@@ -173,7 +173,8 @@ class Engine:
                 if model is not None:
                     kernels.install(model)
             draft_kernels = kernels.DRAFT
-            self.verify_greedy, self.descend = kernels.verify_greedy, kernels.descend
+            self.verify_greedy, self.descend, self.nucleus_floor = (kernels.verify_greedy, kernels.descend,
+                                                                    kernels.nucleus_floor)
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -533,7 +534,7 @@ class Engine:
                         logits: Tensor, node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, ...]:
         """`walk_sampling` on graph inputs: the rows' parameter tensor stands for its `SamplingRows`."""
         return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, filtered, any_greedy), coins,
-                             depth, self.descend)
+                             depth, self.descend, self.nucleus_floor)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,

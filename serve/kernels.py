@@ -2,8 +2,9 @@
 and k (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend
 calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
 fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculation, the draft's top-k log-probs,
-the draft tree's bookkeeping (each pass's next frontier, the final tree) and verification's walks down the tree,
-greedy and sampled.
+the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down the tree,
+greedy and sampled, and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place
+of a sort).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -13,12 +14,12 @@ dtype is rounded to that dtype here too. Results equal the reference up to fp32 
 rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum (see `_fused_linear_kernel`).
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
-default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever
-the attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
-`verify_greedy` and `descend` (the sampled walk) in place of their torch references (`serve.tree`, `serve.verify`),
-which they equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor
-shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device; on
-Hopper and later, with programmatic dependent launch (`launch_options`).
+default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
+attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
+`verify_greedy`, `descend` (the sampled walk) and `nucleus_floor` in place of their torch references (`serve.tree`,
+`serve.verify`, `serve.sampling`), which they equal. They have no backward: the trainer keeps the torch kernels.
+Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on
+the current CUDA device; on Hopper and later, with programmatic dependent launch (`launch_options`).
 """
 
 from __future__ import annotations
@@ -620,6 +621,87 @@ def _descend_kernel(q_ptr, mass_ptr, parents_ptr, valid_ptr, coins_ptr, accepted
     tl.store(num_ptr + row, num)
     tl.store(cur_ptr + row, cur)
     tl.store(walking_ptr + row, walking)
+
+
+def nucleus_floor(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """`eyas.serve.sampling.nucleus_floor` without a sort: probs [R, V] float32 probabilities, top_k and top_p [R]
+    float32 -> [R] float32. Sorting 49 rows of a 128k vocabulary took 1.2 ms (docs/perf.md). Here each floor is
+    searched for among the probabilities' float32 bit patterns (for values >= 0 they order as the values): each
+    pass weighs NUCLEUS_PROBES patterns at once over the row, split across programs so that one row keeps many SMs
+    busy, and narrows the range to the gap after the highest pattern that holds the goal. A fixed number of
+    launches (`_nucleus_search`), first for top-k (counts), then for top-p (masses of the tokens top-k kept).
+    Masses are summed in the kernel's own order, so a floor whose mass lies within float32 rounding of the goal may
+    differ from torch's: both keep an exact nucleus."""
+    rows = _rows(probs)
+    R, V = rows.shape
+    bits = rows.view(torch.int32)
+    lo = torch.zeros(R, dtype=torch.int32, device=probs.device)
+    hi = rows.amax(-1).view(torch.int32) + 1  # no token weighs anything from here up
+    lo = _nucleus_search(rows, lo, torch.where(top_k < V, hi, 1), top_k.float(), mass=False)  # 1: off, floor 0
+    kept = torch.where(bits >= lo[:, None], rows, 0.0).sum(-1)  # the mass top-k keeps
+    lo = _nucleus_search(rows, lo, torch.where(top_p < 1, hi, lo + 1), top_p * kept, mass=True)
+    return lo.view(torch.float32)
+
+
+NUCLEUS_PROBES = 8  # bit patterns weighed a pass (a power of 2): each narrows the search 9-fold
+NUCLEUS_PASSES = 10  # 9**10 > 2**31: every non-negative float32 pattern
+NUCLEUS_PROGRAMS, NUCLEUS_CHUNK, NUCLEUS_BLOCK = 264, 2048, 512  # programs a pass (2 an H200 SM), least a program
+
+
+def _nucleus_search(rows: Tensor, lo: Tensor, hi: Tensor, goal: Tensor, mass: bool) -> Tensor:
+    """The highest bit pattern b in [lo, hi) per row whose tokens (p >= b) weigh at least `goal` (their mass, or
+    their count), given that lo's do and hi's do not (hi <= lo + 1: nothing to search). -> lo [R] int32.
+
+    Each pass is one launch of R x splits programs: a program narrows its row's range from the previous pass's
+    weights (every program of the row computes the same), then weighs its chunk of the row at the new probes. The
+    range and the weights alternate between two buffers, so a pass reads what the one before wrote."""
+    R, V = rows.shape
+    splits = max(1, min(triton.cdiv(NUCLEUS_PROGRAMS, R), triton.cdiv(V, NUCLEUS_CHUNK)))
+    chunk = triton.cdiv(triton.cdiv(V, splits), NUCLEUS_BLOCK) * NUCLEUS_BLOCK
+    splits = triton.cdiv(V, chunk)
+    ranges = torch.stack([torch.stack([lo, hi.to(torch.int32)], -1)] * 2)  # [2, R, 2]: lo, hi
+    weights = torch.empty(2, R, splits, NUCLEUS_PROBES, dtype=torch.float32, device=rows.device)
+    goal = goal.float().contiguous()
+    for i in range(NUCLEUS_PASSES + 1):
+        last = i == NUCLEUS_PASSES
+        _nucleus_pass_kernel[(R, 1 if last else splits)](
+            rows, goal, ranges, weights, V, rows.stride(0), chunk, splits, (i + 1) % 2, i % 2, NARROW=i > 0,
+            WEIGH=not last, MASS=mass, PROBES=NUCLEUS_PROBES, SPLITS=triton.next_power_of_2(splits),
+            BLOCK=NUCLEUS_BLOCK, num_warps=4, **launch_options(rows.device))
+    return ranges[NUCLEUS_PASSES % 2, :, 0]
+
+
+@jit
+def _nucleus_pass_kernel(p_ptr, goal_ptr, ranges_ptr, weights_ptr, V, stride, chunk, splits, prev, cur,
+                         NARROW: tl.constexpr, WEIGH: tl.constexpr, MASS: tl.constexpr, PROBES: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
+    row, split, R = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    lo = tl.load(ranges_ptr + (prev * R + row) * 2)
+    hi = tl.load(ranges_ptr + (prev * R + row) * 2 + 1)
+    goal = tl.load(goal_ptr + row)
+    j = tl.arange(0, PROBES) + 1
+    if NARROW:  # the previous pass's probes and their weights, summed over the row's chunks
+        s = tl.arange(0, SPLITS)
+        weight = tl.sum(tl.load(weights_ptr + ((prev * R + row) * splits + s[:, None]) * PROBES + j[None, :] - 1,
+                                mask=s[:, None] < splits, other=0.0), 0)
+        probes = lo + j * ((hi - lo + PROBES) // (PROBES + 1))  # [PROBES]; the last ones may reach past hi
+        passed = (weight >= goal) & (probes < hi)  # a prefix of the probes: weight falls as the pattern rises
+        lo, hi = tl.max(tl.where(passed, probes, lo), 0), tl.min(tl.where(passed, hi, tl.minimum(probes, hi)), 0)
+    if split == 0:
+        tl.store(ranges_ptr + (cur * R + row) * 2, lo)
+        tl.store(ranges_ptr + (cur * R + row) * 2 + 1, hi)
+    if WEIGH:
+        if hi - lo > 1:  # (a finished row leaves its weights unwritten: the next pass's probes all lie past hi)
+            probes = lo + j * ((hi - lo + PROBES) // (PROBES + 1))
+            cols = tl.arange(0, BLOCK)
+            acc = tl.zeros((BLOCK, PROBES), tl.float32)
+            p_ptr += row.to(tl.int64) * stride
+            for start in range(split * chunk, tl.minimum(split * chunk + chunk, V), BLOCK):
+                x = tl.load(p_ptr + start + cols, mask=start + cols < V, other=0.0)  # masked: pattern 0, never weighed
+                w = x if MASS else tl.full((BLOCK,), 1.0, tl.float32)
+                acc += tl.where(x.to(tl.int32, bitcast=True)[:, None] >= probes[None, :], w[:, None], 0.0)
+            tl.store(weights_ptr + ((cur * R + row) * splits + split) * PROBES + j - 1, tl.sum(acc, 0))
 
 
 FRONTIER_MAX_K = 16  # larger k: the torch reference (the kernel ranks k·k children against each other)

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,32 +77,45 @@ class SamplingRows:
                    any(p.greedy for p in plist))
 
 
-def target_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+Floor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # `nucleus_floor`'s signature
+
+
+def target_probs(logits: torch.Tensor, rows: SamplingRows, floor: Floor | None = None) -> torch.Tensor:
     """logits [B, ..., V] -> float32 probabilities [B, ..., V]: temperature, then top-k, then top-p,
     renormalised. Greedy rows (temperature below GREEDY_BELOW) become one-hot at the argmax.
 
     Each row's parameters (`rows`, B of them) broadcast as [B, 1, ..., 1]: mixed batches run in one vectorised
     pass, no loop over rows, and nothing is read on the host (the engine captures this in a CUDA graph).
-    Top-k keeps exactly k tokens (ties at the k-th logit broken by sort order); top-p then keeps the
-    smallest prefix of the sorted distribution whose mass reaches top_p (always at least one token).
+    Both filters keep every token at least as likely as a floor (`nucleus_floor`; `floor`: it, or the kernel that
+    equals it): top-k the k most likely tokens, top-p then the most likely ones whose mass reaches top_p (always
+    at least one token). A tie at the floor is kept whole, so top-k may keep more than k tokens.
     """
     x = logits.float()
     V = x.shape[-1]
     temp, greedy, top_k, top_p = rows.values.reshape(4, x.shape[0], *(1,) * (x.dim() - 1))
     greedy = greedy > 0
-    x = x / torch.where(greedy, 1.0, temp)
+    probs = (x / torch.where(greedy, 1.0, temp)).softmax(-1)
     if rows.filtered:
-        # One sort serves both filters: temperature and top-k keep the logits' order.
-        xs, order = x.sort(dim=-1, descending=True)  # [B, ..., V]
-        rank = torch.arange(V, device=x.device)
-        xs = xs.masked_fill(rank >= top_k, float("-inf"))
-        ps = xs.softmax(-1)
-        mass_before = ps.cumsum(-1) - ps  # mass of the strictly more likely tokens
-        ps = ps.masked_fill((mass_before >= top_p) & (rank > 0), 0.0)
-        probs = torch.zeros_like(ps).scatter_(-1, order, ps / ps.sum(-1, keepdim=True))
-    else:
-        probs = x.softmax(-1)
+        per_row = [v.expand(*x.shape[:-1], 1).reshape(-1) for v in (top_k, top_p)]  # [R]
+        least = (floor or nucleus_floor)(probs.reshape(-1, V), *per_row).view(*x.shape[:-1], 1)
+        probs = torch.where(probs >= least, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The least probability each row keeps: probs [R, V] float32, top_k [R] (the vocabulary or more: off) and
+    top_p [R] (1: off), both float32 -> [R] float32. The k-th largest probability (0 when top-k is off); then,
+    with top-p on, the largest floor whose tokens (among those top-k keeps) hold at least top_p of their mass.
+
+    Worked example: probs [0.5, 0.2, 0.2, 0.1], top_k 3: floor 0.2 (three tokens kept); with top_p 0.6 as well,
+    the kept mass is 0.9, so 0.54 must stay: 0.5 alone holds less, 0.5 + both 0.2s more, so floor 0.2 again."""
+    V = probs.shape[-1]
+    ps = probs.sort(-1, descending=True).values  # [R, V]
+    by_k = torch.where(top_k < V, ps.gather(-1, (top_k.clamp(1, V) - 1).long()[:, None])[:, 0], 0.0)
+    mass = torch.where(ps >= by_k[:, None], ps, 0.0).cumsum(-1)  # [R, V]
+    first = (mass < top_p[:, None] * mass[:, -1:]).sum(-1, keepdim=True).clamp(max=V - 1)  # first to reach the goal
+    return torch.where(top_p < 1, ps.gather(-1, first)[:, 0], by_k)

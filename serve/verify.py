@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .sampling import SamplingParams, SamplingRows, target_probs
+from .sampling import Floor, SamplingParams, SamplingRows, target_probs
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 Walk = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # `descend`'s signature
@@ -92,6 +92,7 @@ def walk_sampling(
     coins: torch.Tensor,
     max_depth: int | None = None,
     walk: Walk | None = None,
+    floor: Floor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs).
 
@@ -119,11 +120,11 @@ def walk_sampling(
 
     sampling: each request's parameters. coins [B, N + 1] uniforms in [0, 1) (`draw_coins`): one per node (each
     node is tested at most once, as a child), and the last for the bonus. walk: `descend`, or the fused kernel
-    that equals it (the engine's on CUDA).
+    that equals it (the engine's on CUDA); floor: `target_probs`'s filter, likewise.
     """
     B, N = tokens.shape
     dev = tokens.device
-    probs = target_probs(logits, sampling)  # [B, N, V] float32
+    probs = target_probs(logits, sampling, floor)  # [B, N, V] float32
     rows = torch.arange(B, device=dev)
     idx = torch.arange(N, device=dev)
     # repeat[b, k]: an elder valid sibling of k holds k's token, so k's q is zero when it is tested.

@@ -35,7 +35,7 @@ from eyas.common.layers import (
     rms_norm,
 )
 from eyas.common.target import TargetModel
-from eyas.serve import tree, verify
+from eyas.serve import sampling, tree, verify
 from eyas.serve.verify import verify_greedy
 from tests import triton_interpreter
 from tests.conftest import FAMILIES
@@ -210,6 +210,30 @@ def check_descend(device, B, N, max_depth=None, impl=kernels.descend):
         assert (num_accepted >= 2).any() and rejected.any()
     for a, b in zip(ours, reference, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def check_nucleus_floor(device, R, V):
+    """Rows of random logits at several temperatures (one so sharp most probabilities are 0, one with ties), with
+    top-k and top-p on and off in turn. Top-k floors (counts are exact) equal the sorting reference; top-p floors,
+    whose masses are summed in another order, meet the definition in float64 up to float32 rounding: the tokens
+    from the floor up hold the goal, those above it do not."""
+    g = torch.Generator().manual_seed(R * 1000 + V)
+    logits = torch.randn(R, V, generator=g) * torch.tensor([0.3, 1.0, 3.0, 300.0]).repeat(R)[:R, None]
+    logits[1::5, : V // 2] = logits[1::5, V // 2: 2 * (V // 2)].round(decimals=1)  # ties: every value twice or more
+    probs = logits.softmax(-1).to(device)
+    top_k = torch.tensor([[V, 1, 7, V, 2 * V, V // 3][i % 6] for i in range(R)]).float().to(device)
+    top_p = torch.tensor([[0.9, 1.0, 0.5, 0.999, 1.0, 1.0, 0.05][i % 7] for i in range(R)]).to(device)
+    ours, reference = kernels.nucleus_floor(probs, top_k, top_p), sampling.nucleus_floor(probs, top_k, top_p)
+    assert ours.dtype == torch.float32 and ours.shape == (R,)
+    only_k = top_p == 1
+    assert torch.equal(ours[only_k], reference[only_k])
+    p, by_k = probs.double().cpu(), torch.where(top_k < V, reference, 0.0).cpu()
+    by_k = torch.where(only_k.cpu(), by_k, sampling.nucleus_floor(probs, top_k, torch.ones_like(top_p)).cpu())
+    for row in torch.nonzero(~only_k).flatten().tolist():
+        kept = p[row][p[row] >= by_k[row]]
+        goal, floor = top_p[row].item() * kept.sum(), ours[row].item()
+        assert floor in kept and kept[kept >= floor].sum() >= goal * (1 - 1e-5)
+        assert kept[kept > floor].sum() < goal * (1 + 1e-5)
 
 
 def check_tree_builder(device, B, k, steps, n, ties=False, impl=kernels.DRAFT):
@@ -389,6 +413,13 @@ def test_descend_cuda(case):
     check_descend("cuda", *case)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 128256), (9, 128256), (49, 128256), (392, 32000), (49, 49152), (7, 1000)],
+                         ids=str)
+def test_nucleus_floor_cuda(case):
+    check_nucleus_floor("cuda", *case)
+
+
 TREES_CUDA = [(1, 8, 6, 48), (1, 8, 8, 64), (64, 8, 6, 48), (4, 1, 7, 8), (3, 4, 5, 8), (2, 10, 6, 60),
               (2, 16, 4, 100), (2, 17, 3, 40), (1, 12, 16, 64)]  # B, k, steps, n; k 17, C 2173: torch
 
@@ -510,6 +541,11 @@ def test_descend_interpreter(interpreter, case):
     interpreter(check_descend, "cpu", *case)
 
 
+@pytest.mark.parametrize("case", [(14, 300), (7, 2100), (3, 9000), (2, 1)], ids=str)
+def test_nucleus_floor_interpreter(interpreter, case):
+    interpreter(check_nucleus_floor, "cpu", *case)
+
+
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("case", [(2, 4, 4, 12), (1, 3, 3, 20), (3, 1, 4, 5), (1, 2, 2, 3), (2, 4, 3, 300)],
                          ids=lambda c: "B{}-k{}-steps{}-n{}".format(*c))
@@ -623,7 +659,7 @@ def test_every_kernel_waits_for_the_one_before():
 
     launched = {name: fn for module in (kernels, triton_paged) for name, fn in vars(module).items()
                 if isinstance(fn, JITFunction) and name.endswith("_kernel")}
-    assert len(launched) == 15
+    assert len(launched) == 16
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):

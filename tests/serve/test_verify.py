@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 import eyas.serve.verify as verify
-from eyas.serve.sampling import SamplingParams, SamplingRows, make_generator, target_probs
+from eyas.serve.sampling import SamplingParams, SamplingRows, make_generator, nucleus_floor, target_probs
 from eyas.serve.verify import verify_greedy, verify_sampling
 
 V = 6  # tiny vocab for the statistical tests
@@ -121,7 +121,7 @@ def target_first_two(tree, params):
     after = off.expand(V, V).clone()  # [a, V]: logits after (root, a)
     for j in torch.nonzero(parents == 0).flatten():
         after[tokens[j]] = logits[j]
-    return probs_of(logits[0], params).double(), probs_of(after, params).double()
+    return probs_of(logits[:1], params)[0].double(), probs_of(after, params).double()
 
 
 def speculative_first_two(tree, params, seed=0):
@@ -286,6 +286,16 @@ def test_params_validation():
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     SamplingParams(temperature=0, top_k=-1, top_p=1.0, seed=7)
+
+
+def test_nucleus_floor_keeps_ties():
+    """The worked example of `nucleus_floor`'s docstring, row by row: top-k 2 keeps the tie at 0.2 whole; top-k 3 with
+    top-p 0.6; top-p 0.5 alone keeps the 0.5; neither filter keeps everything."""
+    probs = torch.tensor([[0.5, 0.2, 0.2, 0.1]] * 4)
+    floor = nucleus_floor(probs, torch.tensor([2.0, 3.0, 4.0, 4.0]), torch.tensor([1.0, 0.6, 0.5, 1.0]))
+    assert torch.equal(floor, torch.tensor([0.2, 0.2, 0.5, 0.0]))
+    kept = probs_of(torch.tensor([[3.0, 1.0, 1.0, 0.0]]), SamplingParams(top_k=2)) > 0
+    assert torch.equal(kept, torch.tensor([[True, True, True, False]]))
 
 
 def test_target_probs_filters():
