@@ -52,6 +52,29 @@ def test_speculative_greedy_equals_target_greedy(target, shape, batch):
     assert engine.pool.allocator.num_free == 256
 
 
+def test_block_table_is_built_again_only_when_blocks_change(target):
+    """The engine hands out its last block table again while the rows' blocks, padding and width stay the same, and
+    builds the pool's table afresh once any of them changes, even to blocks of the same count: a stale table would
+    send a request's KV into another's blocks."""
+    engine = Engine(target, None, EngineConfig(speculative=False, block_size=4, num_blocks=64))
+    a, b = (engine.add_request(p, GREEDY, max_new_tokens=8) for p in prompts(2, target.config.vocab_size))
+    engine.step()  # the prefill gives both their blocks
+
+    def check(requests, pad):
+        table = engine._block_table(requests, pad)
+        assert torch.equal(table, engine.pool.block_table([r.blocks for r in requests], None, engine.table_width, pad))
+        return table
+
+    table = check([a, b], 2)
+    assert engine._block_table([a, b], 2) is table
+    for requests, pad in (([a, b], 1), ([b, a], 2), ([a], 2)):
+        check(requests, pad)
+    a.blocks[0], b.blocks[0] = b.blocks[0], a.blocks[0]
+    check([a, b], 2)
+    a.blocks.append(engine.pool.allocator.allocate(1)[0])
+    check([a, b], 2)
+
+
 def reference_tree(engine: Engine, request, shape: TreeShape, top_k):
     """The tree EAGLE-2 drafts for `request` right after its prefill, recomputed without the paged cache: every
     pass runs the head over the whole prompt plus the nodes drafted so far, under an explicit mask (the head's
