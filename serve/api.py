@@ -13,7 +13,7 @@ Streaming answers are server-sent events (`data: {chunk}\\n\\n`, ending with `da
 `stream_options: {"include_usage": true}` (streaming only) a last chunk with empty `choices` carries `usage`, the
 others `usage: null`. `stop` strings are matched on the decoded text; the output ends before the stop string,
 with finish_reason "stop". Stop tokens (eos, end of turn) end the output too and are not shown. `top_k` is an
-extension (0 or -1 = off).
+extension (0 or -1 = off). Both filters keep a tie at their cut whole (`sampling.nucleus_floor`).
 
 Every response, and the last chunk of a stream, carries an extension field on speculative decoding:
 
