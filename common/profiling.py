@@ -1,9 +1,11 @@
-"""What ran inside `torch.profiler` ranges, read one way by `python -m eyas.serve.profile` (a decode step's phases)
-and `python -m eyas.train.bench --profile` (a training step)."""
+"""What ran inside `torch.profiler` ranges, read one way by `python -m eyas.serve.profile` (a decode step's phases,
+and with --idle the device's idle time between kernels) and `python -m eyas.train.bench --profile` (a training
+step)."""
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 from torch.autograd import DeviceType
 
@@ -27,3 +29,37 @@ def per_step(work, steps: int) -> list[tuple[str, float, float]]:
         micros[e.name] += e.time_range.elapsed_us()
     steps = max(steps, 1)
     return [(name, launches[name] / steps, us / steps) for name, us in micros.most_common()]
+
+
+@dataclass
+class Idle:
+    """The device's time across a run of kernels, µs: from the first one's start to the last one's end (`span`), the
+    union of their busy time (`busy`), and each gap between them longer than a threshold, by the kernels around it:
+    (the kernel before, the kernel after, how many such gaps, their µs), the longest total first."""
+
+    span: float
+    busy: float
+    gaps: list[tuple[str, str, int, float]]
+
+
+def idle_time(kernels, min_gap_us: float = 3.0) -> Idle:
+    """`Idle` of device events (each with a name and a time range, µs; they may overlap, as kernels under
+    programmatic dependent launch do)."""
+    kernels = sorted(kernels, key=lambda e: e.time_range.start)
+    if not kernels:
+        return Idle(0.0, 0.0, [])
+    gaps = collections.defaultdict(lambda: [0, 0.0])
+    busy, start, end, last = 0.0, kernels[0].time_range.start, kernels[0].time_range.end, kernels[0]
+    for e in kernels[1:]:
+        if e.time_range.start > end:  # the device idled from `end` on
+            busy += end - start
+            if e.time_range.start - end > min_gap_us:
+                gap = gaps[last.name, e.name]
+                gap[0] += 1
+                gap[1] += e.time_range.start - end
+            start = e.time_range.start
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    busy += end - start
+    return Idle(end - kernels[0].time_range.start, busy,
+                sorted(((a, b, n, us) for (a, b), (n, us) in gaps.items()), key=lambda g: -g[3]))

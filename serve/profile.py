@@ -2,6 +2,7 @@
 
     python -m eyas.serve.profile --arch smollm2-135m --trees off 6,8,48
     python -m eyas.serve.profile --arch llama-3.1-8b --trees 5,4,8 --temperature 0.8 --top-p 0.9   # sampled
+    python -m eyas.serve.profile --arch smollm2-135m --trees off 5,4,8 --idle   # the GPU's idle time a step
 
 A small model's step is bound by how many kernels it launches, not by bytes, and only the launches of the draft, the
 accept phase and verification's extra over a plain pass set the speedup of speculation. For each setting this runs
@@ -13,6 +14,10 @@ prints the kernels a step and the costliest kernels: counts are exact; times car
 (bench-eagle measures step times). On Hopper a Triton kernel's time also holds its wait on the kernel before
 (programmatic dependent launch starts it early: `eyas.serve.kernels.launch_options`). Off CUDA it counts the torch
 operators each phase calls instead.
+
+With --idle (CUDA only) the steps run as they do in serving instead, the next one queued while the last runs, and
+the profile reports how long the GPU idles a step between kernels, and around which kernels: the host's share of a
+step that the overlap does not hide (a small model's steps are bound by it; a large model's should not be).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from eyas.common.architectures import ARCHITECTURES, random_target
-from eyas.common.profiling import per_step, work_in
+from eyas.common.profiling import Idle, idle_time, per_step, work_in
 from eyas.common.target import default_dtype
 
 from .autotune import format_setting
@@ -64,6 +69,22 @@ def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], ne
     return {phase: PhaseProfile(len(work) / steps, per_step(work, steps)) for phase, work in works.items()}
 
 
+def idle_setting(target, head, shape: TreeShape | None, prompt: list[int], new_tokens: int,
+                 params: SamplingParams = GREEDY) -> tuple[Idle, int]:
+    """Decodes `new_tokens` after `prompt` at batch 1 as in serving, steps overlapping, the prefill left out of the
+    profile -> the GPU's `Idle` over the decode steps, and their count."""
+    engine = warm_engine(target, head, shape, [prompt], new_tokens, 1, params)
+    request = engine.add_request(prompt, params, new_tokens)
+    while not request.output:  # the prefill
+        engine.step()
+    engine.decode_steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_work():
+            engine.step()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    return idle_time(kernels), engine.decode_steps
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.profile", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
@@ -73,23 +94,42 @@ def main(argv: list[str] | None = None) -> None:
                         help="settings: off or num_steps,topk,num_draft_tokens (default: off 6,8,48)")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--top", type=int, default=12, help="kernels listed per phase")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per phase (with --idle: gaps)")
+    parser.add_argument("--idle", action="store_true",
+                        help="how long the GPU idles a step while steps overlap, as in serving (CUDA only)")
     add_sampling_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
+    if args.idle and not args.device.startswith("cuda"):
+        parser.error(f"--idle measures the GPU's idle time: it needs a CUDA device, not {args.device!r}")
     target = random_target(args.arch, default_dtype(args.device), args.device)
     head = random_head(target)
     prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
     unit = "kernels" if args.device.startswith("cuda") else "operators"
     for shape in args.trees:
-        phases = profile_setting(target, head, shape, prompt.tolist(), args.new_tokens, params)
-        print(f"== {args.arch} {format_setting(shape)}: {unit} a decode step "
-              + ", ".join(f"{phase} {p.launches:.1f}" for phase, p in phases.items()))
-        for phase, p in phases.items():
-            for name, launches, us in p.kernels[: args.top]:
-                print(f"  {phase:>6} {launches:6.1f}x {us:8.1f} us  {name[:100]}")
+        setting = f"{args.arch} {format_setting(shape)}"
+        if args.idle:
+            print_idle(setting, *idle_setting(target, head, shape, prompt.tolist(), args.new_tokens, params), args.top)
+        else:
+            print_phases(setting, unit, profile_setting(target, head, shape, prompt.tolist(), args.new_tokens, params),
+                         args.top)
 
+
+def print_phases(setting: str, unit: str, phases: dict[str, PhaseProfile], top: int) -> None:
+    launches = ", ".join(f"{phase} {p.launches:.1f}" for phase, p in phases.items())
+    print(f"== {setting}: {unit} a decode step {launches}")
+    for phase, p in phases.items():
+        for name, launches, us in p.kernels[:top]:
+            print(f"  {phase:>6} {launches:6.1f}x {us:8.1f} us  {name[:100]}")
+
+
+def print_idle(setting: str, idle: Idle, steps: int, top: int) -> None:
+    steps = max(steps, 1)
+    print(f"== {setting}: {steps} decode steps; a step {idle.span / steps:.1f} us, the GPU busy "
+          f"{idle.busy / steps:.1f}, idle {(idle.span - idle.busy) / steps:.1f}")
+    for before, after, count, us in idle.gaps[:top]:
+        print(f"  {us / steps:8.1f} us a step, {count / steps:5.2f}x  {before[:45]} -> {after[:45]}")
 
 if __name__ == "__main__":
     main()

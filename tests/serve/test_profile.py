@@ -1,9 +1,13 @@
 """The kernel profile counts each decode-step phase's launches (operators on CPU): speculation's phases have work,
-plain decoding's draft phase has next to none."""
+plain decoding's draft phase has next to none. With --idle it measures the GPU's idle time between kernels."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from eyas.common.architectures import random_target
+from eyas.common.profiling import idle_time
 from eyas.serve import profile
 from eyas.serve.bench import random_head
 from eyas.serve.draft import TreeShape
@@ -40,3 +44,37 @@ def test_sampled_verification_is_counted():
     assert sampled["verify"].launches > greedy["verify"].launches
     assert "aten::searchsorted" in {name for name, _, _ in sampled["verify"].kernels}
 
+
+
+def kernel(name, start, end):
+    """A device event as `idle_time` reads it."""
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_idle_time_counts_the_gaps_between_overlapping_kernels():
+    """b starts inside a and c inside b (programmatic dependent launch): the gap before d follows b, which ended
+    last, not c, which started last; the 2 µs gap before e is idle time but below the threshold. Gaps between the
+    same two kernels add up."""
+    idle = idle_time([kernel("d", 40, 44), kernel("a", 0, 10), kernel("b", 8, 30), kernel("c", 12, 20),
+                      kernel("e", 46, 50), kernel("f", 60, 62)], min_gap_us=3)
+    assert (idle.span, idle.busy) == (62, 30 + 4 + 4 + 2)
+    assert idle.gaps == [("b", "d", 1, 10), ("e", "f", 1, 10)]
+    repeated = idle_time([kernel("x", 0, 1), kernel("y", 5, 6), kernel("x", 10, 11), kernel("y", 15, 16)])
+    assert repeated.gaps == [("x", "y", 2, 8), ("y", "x", 1, 4)]
+    assert idle_time([]).span == 0
+
+
+def test_idle_needs_cuda(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--arch", "tiny", "--idle", "--device", "cpu"])
+    assert "--idle" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_idle_on_cuda():
+    """The overlapped decode steps of a tiny model on the GPU: its kernels leave the GPU idle part of each step (a
+    tiny model's step is bound by the host), never more than the span."""
+    target = random_target("tiny", torch.float32, "cuda")
+    idle, steps = profile.idle_setting(target, random_head(target), TreeShape(3, 2, 4), list(range(40)), 12)
+    assert 0 < steps <= 12 and 0 < idle.busy < idle.span
+    assert idle.gaps and all(count >= 1 and us > 3 * count for _, _, count, us in idle.gaps)
