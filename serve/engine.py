@@ -410,8 +410,7 @@ class Engine:
         width = max(self.table_width or 0, width or 0)
         key = (tuple(tuple(r.blocks) for r in requests), padding_rows, width)
         if self._last_table is None or self._last_table[0] != key:
-            self._last_table = key, self.pool.block_table([list(row) for row in key[0]], self.device, width,
-                                                          padding_rows)
+            self._last_table = key, self.pool.block_table(key[0], self.device, width, padding_rows)
         return self._last_table[1]
 
     @torch.no_grad()

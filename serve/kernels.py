@@ -637,7 +637,7 @@ def nucleus_floor(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     bits = rows.view(torch.int32)
     lo = torch.zeros(R, dtype=torch.int32, device=probs.device)
     hi = rows.amax(-1).view(torch.int32) + 1  # no token weighs anything from here up
-    lo = _nucleus_search(rows, lo, torch.where(top_k < V, hi, 1), top_k.float(), mass=False)  # 1: off, floor 0
+    lo = _nucleus_search(rows, lo, torch.where(top_k < V, hi, 1), top_k, mass=False)  # 1: off, floor 0
     kept = torch.where(bits >= lo[:, None], rows, 0.0).sum(-1)  # the mass top-k keeps
     lo = _nucleus_search(rows, lo, torch.where(top_p < 1, hi, lo + 1), top_p * kept, mass=True)
     return lo.view(torch.float32)

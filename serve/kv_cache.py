@@ -5,6 +5,7 @@ them out. A sequence's keys live in the slots of its blocks (slot = block * bloc
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,8 @@ class KVPool:
         rows = self.kv.view(-1, self.kv.shape[-2] * self.kv.shape[-1])  # [2·L·slots, Hkv·D]
         rows[dst_rows] = rows[src_rows]
 
-    def block_table(self, rows: list[list[int]], device: torch.device | str | None = None, width: int | None = None,
-                    padding_rows: int = 0) -> Tensor:
+    def block_table(self, rows: Sequence[Sequence[int]], device: torch.device | str | None = None,
+                    width: int | None = None, padding_rows: int = 0) -> Tensor:
         """Each row's blocks (in position order) -> [B + padding_rows, W] int32, W the longest row's block count
         or `width` if that is more. Entries past a row's blocks are `scratch_block` (never read: past its
         lengths); so are padding rows."""
