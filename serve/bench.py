@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="random target and head of --arch, instead of --target and --draft")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--draft-vocab", type=int, help="draft vocabulary of the random head (default 32000, as "
+                        "EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot vocabulary, as FR-Spec's)")
     parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
                         "template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: random "
                         "tokens of --input-len)")
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = default_dtype(args.device)
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        parser.error(f"--draft-vocab must be at least 1, got {args.draft_vocab}")
     params = sampling_params(parser, args)
     if args.compare_hf and not params.greedy:
         parser.error("--compare-hf times Hugging Face's greedy generate: leave --temperature at 0")
@@ -261,8 +265,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)
-        head = random_head(target)
+        head = random_head(target, args.draft_vocab or 32000)
     else:
+        if args.draft_vocab:
+            parser.error("--draft-vocab sizes the random head of --random-weights; a trained head has its own")
         if not (args.target and args.draft):
             parser.error("give --target and --draft, or --random-weights")
         target, head, tokenizer, path = load_models(args.target, args.draft, args.token_map, args.device, dtype)

@@ -57,11 +57,31 @@ def test_bench_at_a_temperature_samples(monkeypatch, capsys):
                                           "Face's greedy generate: leave --temperature at 0"),
                                          (["--draft", "head", "--compare-hf"],
                                           "--random-weights measures a random model of --arch: --draft, --compare-hf "
-                                          "would be ignored")])
+                                          "would be ignored"),
+                                         (["--draft-vocab", "0"], "--draft-vocab must be at least 1, got 0")])
 def test_arguments_it_cannot_use_are_usage_errors(args, words, capsys):
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
         main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
     assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_draft_vocab_sizes_the_random_head(monkeypatch, capsys):
+    import eyas.serve.bench as bench
+
+    heads = []
+    run_setting = bench.run_setting
+    monkeypatch.setattr(bench, "run_setting", lambda target, head, *args, **kw: heads.append(head) or run_setting(
+        target, head, *args, **kw))
+    main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "2,2,3",
+          "--draft-vocab", "100", "--device", "cpu"])
+    assert heads and all(h.lm_head.out_features == h.config.draft_vocab_size == 100 for h in heads)
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_draft_vocab_of_a_trained_head_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--target", "t", "--draft", "d", "--draft-vocab", "8000", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "--draft-vocab sizes the random head" in capsys.readouterr().err
 
 
 def test_kv_room_for_the_largest_tree():
