@@ -523,8 +523,9 @@ class Engine:
                                                                                     max_depth=depth)
         else:
             rows, coins = sampling
-            name = f"target, sampled verification {depth}, filtered {rows.filtered}, greedy rows {rows.any_greedy}"
-            verify = functools.partial(self._verify_sampled, rows.filtered, rows.any_greedy, depth)
+            flags = (rows.any_top_k, rows.any_top_p, rows.any_greedy)
+            name = f"target, sampled verification {depth}, top-k, top-p, greedy rows {flags}"
+            verify = functools.partial(self._verify_sampled, flags, depth)
             inputs += (rows.values, coins)
         hidden, aux, *verified = self.graphs(name, functools.partial(self._target_forward, verify), *inputs)
         return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *verified)
@@ -537,11 +538,11 @@ class Engine:
         return (out.hidden, aux) + verify(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
                                           *verify_inputs)
 
-    def _verify_sampled(self, filtered: bool, any_greedy: bool, depth: int, tokens: Tensor, parents: Tensor,
+    def _verify_sampled(self, flags: tuple[bool, bool, bool], depth: int, tokens: Tensor, parents: Tensor,
                         logits: Tensor, node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, ...]:
-        """`walk_sampling` on graph inputs: the rows' parameter tensor stands for its `SamplingRows`."""
-        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, filtered, any_greedy), coins,
-                             depth, self.descend, self.nucleus_floor)
+        """`walk_sampling` on graph inputs: the rows' parameter tensor and `flags` stand for their `SamplingRows`."""
+        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags), coins, depth,
+                             self.descend, self.nucleus_floor)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,

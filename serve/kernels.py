@@ -623,13 +623,14 @@ def _descend_kernel(q_ptr, mass_ptr, parents_ptr, valid_ptr, coins_ptr, accepted
     tl.store(walking_ptr + row, walking)
 
 
-def nucleus_floor(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def nucleus_floor(probs: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
     """`eyas.serve.sampling.nucleus_floor` without a sort: probs [R, V] float32 probabilities, top_k and top_p [R]
-    float32 -> [R] float32. Sorting 49 rows of a 128k vocabulary took 1.2 ms (docs/perf.md). Here each floor is
-    searched for among the probabilities' float32 bit patterns (for values >= 0 they order as the values): each
-    pass weighs NUCLEUS_PROBES patterns at once over the row, split across programs so that one row keeps many SMs
-    busy, and narrows the range to the gap after the highest pattern that holds the goal. A fixed number of
-    launches (`_nucleus_search`), first for top-k (counts), then for top-p (masses of the tokens top-k kept).
+    float32 (None: off in every row, and that search skipped) -> [R] float32. Sorting 49 rows of a 128k vocabulary
+    took 1.2 ms (docs/perf.md). Here each floor is searched for among the probabilities' float32 bit patterns (for
+    values >= 0 they order as the values): each pass weighs NUCLEUS_PROBES patterns at once over the row, split
+    across programs so that one row keeps many SMs busy, and narrows the range to the gap after the highest pattern
+    that holds the goal. A fixed number of launches (`_nucleus_search`) per search: top-k's (counts), then
+    top-p's (masses of the tokens top-k kept).
     Masses are summed in the kernel's own order, so a floor whose mass lies within float32 rounding of the goal may
     differ from torch's: both keep an exact nucleus."""
     rows = _rows(probs)
@@ -637,9 +638,11 @@ def nucleus_floor(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     bits = rows.view(torch.int32)
     lo = torch.zeros(R, dtype=torch.int32, device=probs.device)
     hi = rows.amax(-1).view(torch.int32) + 1  # no token weighs anything from here up
-    lo = _nucleus_search(rows, lo, torch.where(top_k < V, hi, 1), top_k, mass=False)  # 1: off, floor 0
-    kept = torch.where(bits >= lo[:, None], rows, 0.0).sum(-1)  # the mass top-k keeps
-    lo = _nucleus_search(rows, lo, torch.where(top_p < 1, hi, lo + 1), top_p * kept, mass=True)
+    if top_k is not None:
+        lo = _nucleus_search(rows, lo, torch.where(top_k < V, hi, 1), top_k, mass=False)  # 1: off, floor 0
+    if top_p is not None:
+        kept = rows.sum(-1) if top_k is None else torch.where(bits >= lo[:, None], rows, 0.0).sum(-1)  # top-k's mass
+        lo = _nucleus_search(rows, lo, torch.where(top_p < 1, hi, lo + 1), top_p * kept, mass=True)
     return lo.view(torch.float32)
 
 

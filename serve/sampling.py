@@ -56,11 +56,13 @@ class SamplingRows:
     values [4, B] float32: temperature, greedy (1 or 0), top-k (the vocabulary's size when off) and top-p; one copy
     to the device, queued, not waited for. float32 holds each exactly: top-k is at most the vocabulary (< 2**24),
     and greedy is decided on the host, where a temperature like 1e-6 is still itself.
-    filtered / any_greedy: whether some row keeps fewer than all tokens (top-k or top-p), or is greedy; known on the
-    host, so their work is queued only when a row needs it (and CUDA graphs are captured per pair)."""
+    any_top_k / any_top_p / any_greedy: whether some row keeps fewer than all tokens by top-k, by top-p, or is
+    greedy; known on the host, so each one's work is queued only when a row needs it (and CUDA graphs are captured
+    per combination). Most requests set top-p alone; their floor then skips top-k's search."""
 
     values: torch.Tensor
-    filtered: bool
+    any_top_k: bool
+    any_top_p: bool
     any_greedy: bool
 
     @classmethod
@@ -73,11 +75,11 @@ class SamplingRows:
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in plist]  # any int: no overflow
         values = torch.tensor([[p.temperature for p in plist], [float(p.greedy) for p in plist], top_k,
                                [p.top_p for p in plist]], dtype=torch.float32)
-        return cls(to_device(values, device), any(k < vocab or p.top_p < 1 for k, p in zip(top_k, plist, strict=True)),
+        return cls(to_device(values, device), any(k < vocab for k in top_k), any(p.top_p < 1 for p in plist),
                    any(p.greedy for p in plist))
 
 
-Floor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # `nucleus_floor`'s signature
+Floor = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]  # `nucleus_floor`'s
 
 
 def target_probs(logits: torch.Tensor, rows: SamplingRows, floor: Floor | None = None) -> torch.Tensor:
@@ -95,8 +97,9 @@ def target_probs(logits: torch.Tensor, rows: SamplingRows, floor: Floor | None =
     temp, greedy, top_k, top_p = rows.values.reshape(4, x.shape[0], *(1,) * (x.dim() - 1))
     greedy = greedy > 0
     probs = (x / torch.where(greedy, 1.0, temp)).softmax(-1)
-    if rows.filtered:
-        per_row = [v.expand(*x.shape[:-1], 1).reshape(-1) for v in (top_k, top_p)]  # [R]
+    if rows.any_top_k or rows.any_top_p:
+        per_row = [v.expand(*x.shape[:-1], 1).reshape(-1) if on else None  # [R]
+                   for v, on in ((top_k, rows.any_top_k), (top_p, rows.any_top_p))]
         least = (floor or nucleus_floor)(probs.reshape(-1, V), *per_row).view(*x.shape[:-1], 1)
         probs = torch.where(probs >= least, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -106,14 +109,17 @@ def target_probs(logits: torch.Tensor, rows: SamplingRows, floor: Floor | None =
     return probs
 
 
-def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """The least probability each row keeps: probs [R, V] float32, top_k [R] (the vocabulary or more: off) and
-    top_p [R] (1: off), both float32 -> [R] float32. The k-th largest probability (0 when top-k is off); then,
-    with top-p on, the largest floor whose tokens (among those top-k keeps) hold at least top_p of their mass.
+    top_p [R] (1: off), both float32 (None: off in every row) -> [R] float32. The k-th largest probability (0 when
+    top-k is off); then, with top-p on, the largest floor whose tokens (among those top-k keeps) hold at least
+    top_p of their mass.
 
     Worked example: probs [0.5, 0.2, 0.2, 0.1], top_k 3: floor 0.2 (three tokens kept); with top_p 0.6 as well,
     the kept mass is 0.9, so 0.54 must stay: 0.5 alone holds less, 0.5 + both 0.2s more, so floor 0.2 again."""
-    V = probs.shape[-1]
+    R, V = probs.shape
+    top_k = torch.full((R,), V, device=probs.device) if top_k is None else top_k
+    top_p = torch.ones(R, device=probs.device) if top_p is None else top_p
     ps = probs.sort(-1, descending=True).values  # [R, V]
     by_k = torch.where(top_k < V, ps.gather(-1, (top_k.clamp(1, V) - 1).long()[:, None])[:, 0], 0.0)
     mass = torch.where(ps >= by_k[:, None], ps, 0.0).cumsum(-1)  # [R, V]

@@ -216,7 +216,8 @@ def check_nucleus_floor(device, R, V):
     """Rows of random logits at several temperatures (one so sharp most probabilities are 0, one with ties), with
     top-k and top-p on and off in turn. Top-k floors (counts are exact) equal the sorting reference; top-p floors,
     whose masses are summed in another order, meet the definition in float64 up to float32 rounding: the tokens
-    from the floor up hold the goal, those above it do not."""
+    from the floor up hold the goal, those above it do not. A filter passed as None (off in every row, its search
+    skipped) gives what it gives switched off row by row."""
     g = torch.Generator().manual_seed(R * 1000 + V)
     logits = torch.randn(R, V, generator=g) * torch.tensor([0.3, 1.0, 3.0, 300.0]).repeat(R)[:R, None]
     logits[1::5] = logits[1::5].round(decimals=1)  # ties: logits on a grid of 0.1
@@ -233,6 +234,10 @@ def check_nucleus_floor(device, R, V):
         goal, floor = top_p[row].item() * kept.sum(), ours[row].item()
         assert floor in kept and kept[kept >= floor].sum() >= goal * (1 - 1e-5)
         assert kept[kept > floor].sum() < goal * (1 + 1e-5)
+    k_off, p_off = torch.full_like(top_k, V), torch.ones_like(top_p)
+    for floor in (kernels.nucleus_floor, sampling.nucleus_floor):
+        assert torch.equal(floor(probs, None, top_p), floor(probs, k_off, top_p))
+        assert torch.equal(floor(probs, top_k, None), floor(probs, top_k, p_off))
 
 
 def check_tree_builder(device, B, k, steps, n, ties=False, impl=kernels.DRAFT):

@@ -298,6 +298,31 @@ def test_nucleus_floor_keeps_ties():
     assert torch.equal(kept, torch.tensor([[True, True, True, False]]))
 
 
+def test_floor_searches_only_the_filters_some_row_uses():
+    """target_probs passes a filter no row uses as None (its search skipped), and asks nothing when none is used;
+    the probabilities are those of every filter passed (up to the renormalisation a filter does)."""
+    logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0))
+    cases = [([SamplingParams(top_p=0.9)] * 3, (False, True)), ([SamplingParams(top_k=5)] * 3, (True, False)),
+             ([SamplingParams(top_k=5), SamplingParams(), SamplingParams(top_p=0.5)], (True, True)),
+             ([SamplingParams(temperature=0.5), SamplingParams(temperature=0)] + [SamplingParams()], None)]
+    calls = []  # (top-k passed, top-p passed) of each call
+
+    def floor(probs, top_k, top_p):
+        calls.append((top_k is not None, top_p is not None))
+        return nucleus_floor(probs, top_k, top_p)
+
+    for params, asked in cases:
+        calls.clear()
+        rows = SamplingRows.of(params, 3, 50, "cpu")
+        probs = target_probs(logits, rows, floor)
+        assert calls == ([asked] if asked else [])
+        every_filter = SamplingRows(rows.values, True, True, rows.any_greedy)
+        if asked:
+            assert torch.equal(probs, target_probs(logits, every_filter))
+        else:
+            torch.testing.assert_close(probs, target_probs(logits, every_filter))
+
+
 def test_target_probs_filters():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
     full = logits.softmax(-1)
