@@ -59,7 +59,7 @@ from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
-from .sampling import SamplingParams, SamplingRows, make_generator, nucleus_floor
+from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
 from .verify import descend, draw_coins, verify_greedy, verify_sampling, walk_sampling
@@ -164,7 +164,7 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
         draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
-        self.verify_greedy, self.descend, self.nucleus_floor = verify_greedy, descend, nucleus_floor  # in the graph
+        self.verify_greedy, self.descend, self.probs_kernels = verify_greedy, descend, TORCH_PROBS  # in the graph
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from . import kernels
 
@@ -173,8 +173,7 @@ class Engine:
                 if model is not None:
                     kernels.install(model)
             draft_kernels = kernels.DRAFT
-            self.verify_greedy, self.descend, self.nucleus_floor = (kernels.verify_greedy, kernels.descend,
-                                                                    kernels.nucleus_floor)
+            self.verify_greedy, self.descend, self.probs_kernels = kernels.verify_greedy, kernels.descend, kernels.PROBS
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -542,7 +541,7 @@ class Engine:
                         logits: Tensor, node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, ...]:
         """`walk_sampling` on graph inputs: the rows' parameter tensor and `flags` stand for their `SamplingRows`."""
         return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags), coins, depth,
-                             self.descend, self.nucleus_floor)
+                             self.descend, self.probs_kernels)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,

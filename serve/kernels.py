@@ -3,8 +3,8 @@ and k (with the paged cache's store of k and v in the same launch, `rotary_store
 calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
 fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculation, the draft's top-k log-probs,
 the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down the tree,
-greedy and sampled, and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place
-of a sort).
+greedy and sampled, and for the sampled one the target's probabilities (`softmax`, a row over many programs) and
+the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place of a sort).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -16,10 +16,11 @@ rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
 attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
-`verify_greedy`, `descend` (the sampled walk) and `nucleus_floor` in place of their torch references (`serve.tree`,
-`serve.verify`, `serve.sampling`), which they equal. They have no backward: the trainer keeps the torch kernels.
-Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on
-the current CUDA device; on Hopper and later, with programmatic dependent launch (`launch_options`).
+`verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor) in place of their torch references
+(`serve.tree`, `serve.verify`, `serve.sampling`), which they equal. They have no backward: the trainer keeps the
+torch kernels. Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture them.
+Triton launches on the current CUDA device; on Hopper and later, with programmatic dependent launch
+(`launch_options`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 from eyas.common.layers import Kernels, add_norm
 
 from . import tree
+from .sampling import ProbsKernels
 
 jit = triton.jit
 
@@ -623,6 +625,78 @@ def _descend_kernel(q_ptr, mass_ptr, parents_ptr, valid_ptr, coins_ptr, accepted
     tl.store(walking_ptr + row, walking)
 
 
+def softmax(x: Tensor, temperature: Tensor) -> Tensor:
+    """`eyas.serve.sampling.softmax`, a row split over many programs: x [R, V], temperature [R] float32 -> float32
+    [R, V]. torch's gives a row one block (34 µs for 9 rows of 128k entries on an H200, docs/perf.md). Two
+    launches: each chunk's max and sum of exponentials, then each row's combined and its probabilities written."""
+    rows = _rows(x)
+    R, V = rows.shape
+    splits, chunk = _row_splits(R, V)
+    stats = torch.empty(2, R, splits, dtype=torch.float32, device=x.device)  # each chunk's max, sum of exp(x - max)
+    out = torch.empty(R, V, dtype=torch.float32, device=x.device)
+    temperature = temperature.float().contiguous()
+    for write in (False, True):
+        _softmax_kernel[(R, splits)](rows, temperature, stats, out, V, rows.stride(0), chunk, splits, WRITE=write,
+                                     SPLITS=triton.next_power_of_2(splits), BLOCK=ROW_BLOCK, num_warps=4,
+                                     **launch_options(x.device))
+    return out
+
+
+ROW_PROGRAMS, ROW_CHUNK, ROW_BLOCK = 264, 2048, 512  # programs a pass over rows (2 an H200 SM), least a program
+
+
+def _row_splits(R: int, V: int) -> tuple[int, int]:
+    """(splits, chunk): a launch over R rows of V entries gives each row `splits` programs of `chunk` entries (a
+    multiple of ROW_BLOCK), so that few rows still keep many SMs busy."""
+    splits = max(1, min(triton.cdiv(ROW_PROGRAMS, R), triton.cdiv(V, ROW_CHUNK)))
+    chunk = triton.cdiv(triton.cdiv(V, splits), ROW_BLOCK) * ROW_BLOCK
+    return triton.cdiv(V, chunk), chunk
+
+
+@jit
+def _softmax_kernel(x_ptr, t_ptr, stats_ptr, out_ptr, V, stride, chunk, splits, WRITE: tl.constexpr,
+                    SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One chunk of a row, on x / t: the first launch stores its max m and sum of exp(x / t - m) in stats [2, R,
+    splits]; the second combines the row's into its max M and sum Z and writes exp(x / t - M) / Z. x / t is rounded
+    as torch's (`div_rn`: Triton's own division is approximate, an ulp of x / t that exp turns into 1e-4 of the
+    probability at a low temperature). A chunk all -inf counts for nothing (a row all -inf gives NaN, as torch's)."""
+    follow(PDL)
+    row, split, R = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    t = tl.load(t_ptr + row)
+    x_ptr += row.to(tl.int64) * stride
+    cols = tl.arange(0, BLOCK)
+    begin, end = split * chunk, tl.minimum(split * chunk + chunk, V)
+    if WRITE:
+        s = tl.arange(0, SPLITS)
+        m = tl.load(stats_ptr + row * splits + s, mask=s < splits, other=float("-inf"))
+        z = tl.load(stats_ptr + (R + row) * splits + s, mask=s < splits, other=0.0)
+        top = tl.max(m, 0)
+        total = tl.sum(tl.where(m > float("-inf"), z * tl.exp(m - top), 0.0), 0)
+        out_ptr += row.to(tl.int64) * V
+        for start in range(begin, end, BLOCK):
+            c = start + cols
+            tl.store(out_ptr + c, tl.exp(_over_t(x_ptr, c, end, t) - top) / total, mask=c < end)
+    else:
+        top = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for start in range(begin, end, BLOCK):
+            c = start + cols
+            top = tl.maximum(top, _over_t(x_ptr, c, end, t))
+        top = tl.max(top, 0)
+        z = tl.zeros((BLOCK,), tl.float32)
+        for start in range(begin, end, BLOCK):
+            c = start + cols
+            x = _over_t(x_ptr, c, end, t)
+            z += tl.where(x > float("-inf"), tl.exp(x - top), 0.0)
+        tl.store(stats_ptr + row * splits + split, top)
+        tl.store(stats_ptr + (R + row) * splits + split, tl.sum(z, 0))
+
+
+@jit
+def _over_t(x_ptr, c, end, t):
+    """x[c] / t in float32, rounded as torch's division; -inf past `end`."""
+    return tl.math.div_rn(tl.load(x_ptr + c, mask=c < end, other=float("-inf")).to(tl.float32), t)
+
+
 def nucleus_floor(probs: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
     """`eyas.serve.sampling.nucleus_floor` without a sort: probs [R, V] float32 probabilities, top_k and top_p [R]
     float32 (None: off in every row, and that search skipped) -> [R] float32. Sorting 49 rows of a 128k vocabulary
@@ -635,47 +709,45 @@ def nucleus_floor(probs: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> 
     differ from torch's: both keep an exact nucleus."""
     rows = _rows(probs)
     R, V = rows.shape
-    bits = rows.view(torch.int32)
     lo = torch.zeros(R, dtype=torch.int32, device=probs.device)
-    hi = rows.amax(-1).view(torch.int32) + 1  # no token weighs anything from here up
     if top_k is not None:
-        lo = _nucleus_search(rows, lo, torch.where(top_k < V, hi, 1), top_k, mass=False)  # 1: off, floor 0
-    if top_p is not None:
-        kept = rows.sum(-1) if top_k is None else torch.where(bits >= lo[:, None], rows, 0.0).sum(-1)  # top-k's mass
-        lo = _nucleus_search(rows, lo, torch.where(top_p < 1, hi, lo + 1), top_p * kept, mass=True)
+        lo = _nucleus_search(rows, lo, torch.where(top_k < V, ABOVE_ALL, 1), top_k, mass=False)  # 1: off, floor 0
+    if top_p is not None:  # the goal, top_p of the mass top-k kept, is weighed by the search's first pass
+        lo = _nucleus_search(rows, lo, torch.where(top_p < 1, ABOVE_ALL, lo + 1), top_p, mass=True)
     return lo.view(torch.float32)
 
 
 NUCLEUS_PROBES = 8  # bit patterns weighed a pass (a power of 2): each narrows the search 9-fold
 NUCLEUS_PASSES = 10  # 9**10 > 2**31: every non-negative float32 pattern
-NUCLEUS_PROGRAMS, NUCLEUS_CHUNK, NUCLEUS_BLOCK = 264, 2048, 512  # programs a pass (2 an H200 SM), least a program
+ABOVE_ALL = 0x7F800001  # the bit pattern after +inf's: no probability weighs anything from here up
 
 
 def _nucleus_search(rows: Tensor, lo: Tensor, hi: Tensor, goal: Tensor, mass: bool) -> Tensor:
-    """The highest bit pattern b in [lo, hi) per row whose tokens (p >= b) weigh at least `goal` (their mass, or
-    their count), given that lo's do and hi's do not (hi <= lo + 1: nothing to search). -> lo [R] int32.
+    """The highest bit pattern b in [lo, hi) per row whose tokens (p >= b) weigh at least `goal`: their count, or
+    with `mass` their mass, goal then the fraction of lo's mass they must hold. Given that lo's tokens reach the
+    goal and hi's do not (hi <= lo + 1: nothing to search). -> lo [R] int32.
 
     Each pass is one launch of R x splits programs: a program narrows its row's range from the previous pass's
-    weights (every program of the row computes the same), then weighs its chunk of the row at the new probes. The
-    range and the weights alternate between two buffers, so a pass reads what the one before wrote."""
+    weights (every program of the row computes the same), then weighs its chunk of the row at the new probes (the
+    first pass also weighs lo, for a mass goal). The range and the weights alternate between two buffers, so a pass
+    reads what the one before wrote."""
     R, V = rows.shape
-    splits = max(1, min(triton.cdiv(NUCLEUS_PROGRAMS, R), triton.cdiv(V, NUCLEUS_CHUNK)))
-    chunk = triton.cdiv(triton.cdiv(V, splits), NUCLEUS_BLOCK) * NUCLEUS_BLOCK
-    splits = triton.cdiv(V, chunk)
+    splits, chunk = _row_splits(R, V)
     ranges = torch.stack([torch.stack([lo, hi.to(torch.int32)], -1)] * 2)  # [2, R, 2]: lo, hi
     weights = torch.empty(2, R, splits, NUCLEUS_PROBES, dtype=torch.float32, device=rows.device)
+    base = torch.empty(R, splits, dtype=torch.float32, device=rows.device)  # mass: lo's, chunk by chunk
     goal = goal.float().contiguous()
     for i in range(NUCLEUS_PASSES + 1):
         last = i == NUCLEUS_PASSES
         _nucleus_pass_kernel[(R, 1 if last else splits)](
-            rows, goal, ranges, weights, V, rows.stride(0), chunk, splits, (i + 1) % 2, i % 2, NARROW=i > 0,
+            rows, goal, ranges, weights, base, V, rows.stride(0), chunk, splits, (i + 1) % 2, i % 2, NARROW=i > 0,
             WEIGH=not last, MASS=mass, PROBES=NUCLEUS_PROBES, SPLITS=triton.next_power_of_2(splits),
-            BLOCK=NUCLEUS_BLOCK, num_warps=4, **launch_options(rows.device))
+            BLOCK=ROW_BLOCK, num_warps=4, **launch_options(rows.device))
     return ranges[NUCLEUS_PASSES % 2, :, 0]
 
 
 @jit
-def _nucleus_pass_kernel(p_ptr, goal_ptr, ranges_ptr, weights_ptr, V, stride, chunk, splits, prev, cur,
+def _nucleus_pass_kernel(p_ptr, goal_ptr, ranges_ptr, weights_ptr, base_ptr, V, stride, chunk, splits, prev, cur,
                          NARROW: tl.constexpr, WEIGH: tl.constexpr, MASS: tl.constexpr, PROBES: tl.constexpr,
                          SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     follow(PDL)
@@ -688,6 +760,8 @@ def _nucleus_pass_kernel(p_ptr, goal_ptr, ranges_ptr, weights_ptr, V, stride, ch
         s = tl.arange(0, SPLITS)
         weight = tl.sum(tl.load(weights_ptr + ((prev * R + row) * splits + s[:, None]) * PROBES + j[None, :] - 1,
                                 mask=s[:, None] < splits, other=0.0), 0)
+        if MASS:
+            goal *= tl.sum(tl.load(base_ptr + row * splits + s, mask=s < splits, other=0.0), 0)
         probes = lo + j * ((hi - lo + PROBES) // (PROBES + 1))  # [PROBES]; the last ones may reach past hi
         passed = (weight >= goal) & (probes < hi)  # a prefix of the probes: weight falls as the pattern rises
         lo, hi = tl.max(tl.where(passed, probes, lo), 0), tl.min(tl.where(passed, hi, tl.minimum(probes, hi)), 0)
@@ -699,12 +773,18 @@ def _nucleus_pass_kernel(p_ptr, goal_ptr, ranges_ptr, weights_ptr, V, stride, ch
             probes = lo + j * ((hi - lo + PROBES) // (PROBES + 1))
             cols = tl.arange(0, BLOCK)
             acc = tl.zeros((BLOCK, PROBES), tl.float32)
+            at_lo = tl.zeros((BLOCK,), tl.float32)  # the first pass of a mass search: lo's mass
             p_ptr += row.to(tl.int64) * stride
             for start in range(split * chunk, tl.minimum(split * chunk + chunk, V), BLOCK):
                 x = tl.load(p_ptr + start + cols, mask=start + cols < V, other=0.0)  # masked: pattern 0, never weighed
+                bits = x.to(tl.int32, bitcast=True)
                 w = x if MASS else tl.full((BLOCK,), 1.0, tl.float32)
-                acc += tl.where(x.to(tl.int32, bitcast=True)[:, None] >= probes[None, :], w[:, None], 0.0)
+                acc += tl.where(bits[:, None] >= probes[None, :], w[:, None], 0.0)
+                if MASS and not NARROW:
+                    at_lo += tl.where(bits >= lo, x, 0.0)
             tl.store(weights_ptr + ((cur * R + row) * splits + split) * PROBES + j - 1, tl.sum(acc, 0))
+            if MASS and not NARROW:
+                tl.store(base_ptr + row * splits + split, tl.sum(at_lo, 0))
 
 
 FRONTIER_MAX_K = 16  # larger k: the torch reference (the kernel ranks k·k children against each other)
@@ -836,5 +916,6 @@ def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_
 
 
 DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
+PROBS = ProbsKernels(softmax, nucleus_floor)
 
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, linear=fused_linear, norm_cat=norm_cat)

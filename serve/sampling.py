@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -79,34 +80,47 @@ class SamplingRows:
                    any(p.greedy for p in plist))
 
 
-Floor = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]  # `nucleus_floor`'s
+class ProbsKernels(NamedTuple):
+    """What `target_probs` computes with: the torch references below (`TORCH_PROBS`), or the Triton kernels that
+    equal them (`eyas.serve.kernels.PROBS`, the engine's on CUDA)."""
+
+    softmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    nucleus_floor: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
-def target_probs(logits: torch.Tensor, rows: SamplingRows, floor: Floor | None = None) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, rows: SamplingRows, kernels: ProbsKernels | None = None) -> torch.Tensor:
     """logits [B, ..., V] -> float32 probabilities [B, ..., V]: temperature, then top-k, then top-p,
     renormalised. Greedy rows (temperature below GREEDY_BELOW) become one-hot at the argmax.
 
     Each row's parameters (`rows`, B of them) broadcast as [B, 1, ..., 1]: mixed batches run in one vectorised
     pass, no loop over rows, and nothing is read on the host (the engine captures this in a CUDA graph).
-    Both filters keep every token at least as likely as a floor (`nucleus_floor`; `floor`: it, or the kernel that
-    equals it): top-k the k most likely tokens, top-p then the most likely ones whose mass reaches top_p (always
-    at least one token). A tie at the floor is kept whole, so top-k may keep more than k tokens.
+    Both filters keep every token at least as likely as a floor (`nucleus_floor`): top-k the k most likely tokens,
+    top-p then the most likely ones whose mass reaches top_p (always at least one token). A tie at the floor is
+    kept whole, so top-k may keep more than k tokens.
     """
-    x = logits.float()
-    V = x.shape[-1]
-    temp, greedy, top_k, top_p = rows.values.reshape(4, x.shape[0], *(1,) * (x.dim() - 1))
+    kernels = kernels or TORCH_PROBS
+    shape, V = logits.shape, logits.shape[-1]
+    temp, greedy, top_k, top_p = rows.values.reshape(4, shape[0], *(1,) * (logits.dim() - 1))
     greedy = greedy > 0
-    probs = (x / torch.where(greedy, 1.0, temp)).softmax(-1)
+
+    def per_row(v: torch.Tensor) -> torch.Tensor:  # [B, 1, ..., 1] -> [R]: one entry per row of V logits
+        return v.expand(*shape[:-1], 1).reshape(-1)
+
+    probs = kernels.softmax(logits.reshape(-1, V), per_row(torch.where(greedy, 1.0, temp))).view(shape)
     if rows.any_top_k or rows.any_top_p:
-        per_row = [v.expand(*x.shape[:-1], 1).reshape(-1) if on else None  # [R]
-                   for v, on in ((top_k, rows.any_top_k), (top_p, rows.any_top_p))]
-        least = (floor or nucleus_floor)(probs.reshape(-1, V), *per_row).view(*x.shape[:-1], 1)
+        least = kernels.nucleus_floor(probs.reshape(-1, V), per_row(top_k) if rows.any_top_k else None,
+                                      per_row(top_p) if rows.any_top_p else None).view(*shape[:-1], 1)
         probs = torch.where(probs >= least, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def softmax(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(x / temperature) over the last dim: x [R, V], temperature [R] float32 -> float32 [R, V]."""
+    return (x.float() / temperature[:, None]).softmax(-1)
 
 
 def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -125,3 +139,6 @@ def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     mass = torch.where(ps >= by_k[:, None], ps, 0.0).cumsum(-1)  # [R, V]
     first = (mass < top_p[:, None] * mass[:, -1:]).sum(-1, keepdim=True).clamp(max=V - 1)  # first to reach the goal
     return torch.where(top_p < 1, ps.gather(-1, first)[:, 0], by_k)
+
+
+TORCH_PROBS = ProbsKernels(softmax, nucleus_floor)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .sampling import Floor, SamplingParams, SamplingRows, target_probs
+from .sampling import ProbsKernels, SamplingParams, SamplingRows, target_probs
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 Walk = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # `descend`'s signature
@@ -92,7 +92,7 @@ def walk_sampling(
     coins: torch.Tensor,
     max_depth: int | None = None,
     walk: Walk | None = None,
-    floor: Floor | None = None,
+    probs_kernels: ProbsKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs).
 
@@ -120,11 +120,11 @@ def walk_sampling(
 
     sampling: each request's parameters. coins [B, N + 1] uniforms in [0, 1) (`draw_coins`): one per node (each
     node is tested at most once, as a child), and the last for the bonus. walk: `descend`, or the fused kernel
-    that equals it (the engine's on CUDA); floor: `target_probs`'s filter, likewise.
+    that equals it (the engine's on CUDA); probs_kernels: `target_probs`'s, likewise.
     """
     B, N = tokens.shape
     dev = tokens.device
-    probs = target_probs(logits, sampling, floor)  # [B, N, V] float32
+    probs = target_probs(logits, sampling, probs_kernels)  # [B, N, V] float32
     rows = torch.arange(B, device=dev)
     idx = torch.arange(N, device=dev)
     # repeat[b, k]: an elder valid sibling of k holds k's token, so k's q is zero when it is tested.
@@ -189,6 +189,6 @@ def _sample(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw from unnormalised q [B, V] (positive mass) with uniforms u [B] -> tokens [B]."""
     cdf = q.cumsum(-1)  # [B, V]
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # first cdf > u * mass
-    # Rounding can put u * mass at the total; fall back to the last token with mass (never a zeroed one).
-    last = torch.where(q > 0, torch.arange(q.shape[-1], device=q.device), 0).amax(-1)
-    return torch.minimum(tok, last)
+    # Rounding can put u * mass at the total; fall back to the first token where the cdf reaches it, one with mass
+    # (the cdf rises there), never a zeroed one.
+    return torch.minimum(tok, torch.searchsorted(cdf, cdf[:, -1:].contiguous())[:, 0])

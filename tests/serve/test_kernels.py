@@ -212,6 +212,20 @@ def check_descend(device, B, N, max_depth=None, impl=kernels.descend):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def check_softmax(device, R, V, impl=kernels.softmax):
+    """Rows of random logits (bf16 and float32) at temperatures from 0.01 to 3, one row's tail at -inf (a chunk of
+    it all -inf when V spans several chunks): the kernel's probabilities equal torch's up to float32 rounding."""
+    g = torch.Generator().manual_seed(R * 1000 + V)
+    x = torch.randn(R, V, generator=g) * 4
+    x[0, V // 3:] = float("-inf")
+    t = torch.logspace(-2, 0.5, R)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ts = x.to(device, dtype), t.to(device)
+        ours, reference = impl(xs, ts), sampling.softmax(xs, ts)
+        assert ours.dtype == torch.float32 and ours.shape == (R, V)
+        torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
+
+
 def check_nucleus_floor(device, R, V):
     """Rows of random logits at several temperatures (one so sharp most probabilities are 0, one with ties), with
     top-k and top-p on and off in turn. Top-k floors (counts are exact) equal the sorting reference; top-p floors,
@@ -418,6 +432,12 @@ def test_descend_cuda(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 128256), (9, 128256), (392, 32000), (49, 49152), (7, 1000), (3, 5)], ids=str)
+def test_softmax_cuda(case):
+    check_softmax("cuda", *case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 128256), (9, 128256), (49, 128256), (392, 32000), (49, 49152), (7, 1000)],
                          ids=str)
 def test_nucleus_floor_cuda(case):
@@ -550,6 +570,11 @@ def test_nucleus_floor_interpreter(interpreter, case):
     interpreter(check_nucleus_floor, "cpu", *case)
 
 
+@pytest.mark.parametrize("case", [(3, 5000), (2, 700), (1, 3)], ids=str)  # several chunks a row, one, one partial
+def test_softmax_interpreter(interpreter, case):
+    interpreter(check_softmax, "cpu", *case)
+
+
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("case", [(2, 4, 4, 12), (1, 3, 3, 20), (3, 1, 4, 5), (1, 2, 2, 3), (2, 4, 3, 300)],
                          ids=lambda c: "B{}-k{}-steps{}-n{}".format(*c))
@@ -606,6 +631,10 @@ def _descend_with_biased_coins(q, mass, parents, node_valid, coins, steps):
     return kernels.descend(q, mass, parents, node_valid, coins.sqrt(), steps)
 
 
+def _softmax_a_little_warmer(x, temperature):
+    return kernels.softmax(x, temperature * 1.01)
+
+
 def _top_of_unnormalised(logits, k):
     values, indices = logits.float().topk(k, dim=-1)
     return values, indices
@@ -633,11 +662,12 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
     (check_descend, ("cpu", 16, 12, None, _descend_with_biased_coins)),
+    (check_softmax, ("cpu", 3, 5000, _softmax_a_little_warmer)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
 ], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "linear-of-x-alone",
         "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
-        "descend-biased-coins", "frontier-forgets-ancestors", "tree-walk-short"])
+        "descend-biased-coins", "softmax-a-little-warmer", "frontier-forgets-ancestors", "tree-walk-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):
@@ -663,7 +693,7 @@ def test_every_kernel_waits_for_the_one_before():
 
     launched = {name: fn for module in (kernels, triton_paged) for name, fn in vars(module).items()
                 if isinstance(fn, JITFunction) and name.endswith("_kernel")}
-    assert len(launched) == 16
+    assert len(launched) == 17
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):

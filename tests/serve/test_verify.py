@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 import eyas.serve.verify as verify
-from eyas.serve.sampling import SamplingParams, SamplingRows, make_generator, nucleus_floor, target_probs
+from eyas.serve.sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator, nucleus_floor, target_probs
 from eyas.serve.verify import verify_greedy, verify_sampling
 
 V = 6  # tiny vocab for the statistical tests
@@ -314,7 +314,7 @@ def test_floor_searches_only_the_filters_some_row_uses():
     for params, asked in cases:
         calls.clear()
         rows = SamplingRows.of(params, 3, 50, "cpu")
-        probs = target_probs(logits, rows, floor)
+        probs = target_probs(logits, rows, TORCH_PROBS._replace(nucleus_floor=floor))
         assert calls == ([asked] if asked else [])
         every_filter = SamplingRows(rows.values, True, True, rows.any_greedy)
         if asked:
