@@ -3,8 +3,9 @@ and k (with the paged cache's store of k and v in the same launch, `rotary_store
 calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
 fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculation, the draft's top-k log-probs,
 the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down the tree,
-greedy and sampled, and for the sampled one the target's probabilities (`softmax`, a row over many programs) and
-the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place of a sort).
+greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a
+row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in
+place of a sort).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -16,10 +17,10 @@ rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
 attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
-`verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor) in place of their torch references
-(`serve.tree`, `serve.verify`, `serve.sampling`), which they equal. They have no backward: the trainer keeps the
-torch kernels. Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture them.
-Triton launches on the current CUDA device; on Hopper and later, with programmatic dependent launch
+`verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums) in place of their torch
+references (`serve.tree`, `serve.verify`, `serve.sampling`), which they equal. They have no backward: the trainer
+keeps the torch kernels. Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture
+them. Triton launches on the current CUDA device; on Hopper and later, with programmatic dependent launch
 (`launch_options`).
 """
 
@@ -691,6 +692,34 @@ def _softmax_kernel(x_ptr, t_ptr, stats_ptr, out_ptr, V, stride, chunk, splits, 
         tl.store(stats_ptr + (R + row) * splits + split, tl.sum(z, 0))
 
 
+def row_sum(x: Tensor) -> Tensor:
+    """`eyas.serve.sampling.row_sum`, a row split over many programs: x [R, V] float32 -> [R]. torch's reduction
+    took 14 µs for 9 rows of 128k entries on an H200 (docs/perf.md). Each program sums its chunk; torch sums the
+    R x splits chunk sums. Rows that get one program each are torch's alone (392 rows: 1% faster, docs/perf.md)."""
+    rows = _rows(x)
+    R, V = rows.shape
+    splits, chunk = _row_splits(R, V)
+    if splits == 1:
+        return rows.sum(-1)
+    sums = torch.empty(R, splits, dtype=torch.float32, device=x.device)
+    _row_sum_kernel[(R, splits)](rows, sums, V, rows.stride(0), chunk, splits, BLOCK=ROW_BLOCK, num_warps=4,
+                                 **launch_options(x.device))
+    return sums.sum(-1)
+
+
+@jit
+def _row_sum_kernel(x_ptr, sums_ptr, V, stride, chunk, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
+    row, split = tl.program_id(0), tl.program_id(1)
+    x_ptr += row.to(tl.int64) * stride
+    cols = tl.arange(0, BLOCK)
+    end = tl.minimum(split * chunk + chunk, V)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(split * chunk, end, BLOCK):
+        acc += tl.load(x_ptr + start + cols, mask=start + cols < end, other=0.0).to(tl.float32)
+    tl.store(sums_ptr + row * splits + split, tl.sum(acc, 0))
+
+
 @jit
 def _over_t(x_ptr, c, end, t):
     """x[c] / t in float32, rounded as torch's division; -inf past `end`."""
@@ -916,6 +945,6 @@ def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_
 
 
 DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
-PROBS = ProbsKernels(softmax, nucleus_floor)
+PROBS = ProbsKernels(softmax, nucleus_floor, row_sum)
 
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, linear=fused_linear, norm_cat=norm_cat)

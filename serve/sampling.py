@@ -86,6 +86,7 @@ class ProbsKernels(NamedTuple):
 
     softmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     nucleus_floor: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+    row_sum: Callable[[torch.Tensor], torch.Tensor]
 
 
 def target_probs(logits: torch.Tensor, rows: SamplingRows, kernels: ProbsKernels | None = None) -> torch.Tensor:
@@ -111,7 +112,7 @@ def target_probs(logits: torch.Tensor, rows: SamplingRows, kernels: ProbsKernels
         least = kernels.nucleus_floor(probs.reshape(-1, V), per_row(top_k) if rows.any_top_k else None,
                                       per_row(top_p) if rows.any_top_p else None).view(*shape[:-1], 1)
         probs = torch.where(probs >= least, probs, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = probs / kernels.row_sum(probs.reshape(-1, V)).view(*shape[:-1], 1)
     if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
@@ -121,6 +122,11 @@ def target_probs(logits: torch.Tensor, rows: SamplingRows, kernels: ProbsKernels
 def softmax(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """softmax(x / temperature) over the last dim: x [R, V], temperature [R] float32 -> float32 [R, V]."""
     return (x.float() / temperature[:, None]).softmax(-1)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] float32 -> [R], each row's sum."""
+    return x.sum(-1)
 
 
 def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -141,4 +147,4 @@ def nucleus_floor(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return torch.where(top_p < 1, ps.gather(-1, first)[:, 0], by_k)
 
 
-TORCH_PROBS = ProbsKernels(softmax, nucleus_floor)
+TORCH_PROBS = ProbsKernels(softmax, nucleus_floor, row_sum)

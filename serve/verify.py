@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .sampling import ProbsKernels, SamplingParams, SamplingRows, target_probs
+from .sampling import TORCH_PROBS, ProbsKernels, SamplingParams, SamplingRows, target_probs
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 Walk = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # `descend`'s signature
@@ -120,11 +120,13 @@ def walk_sampling(
 
     sampling: each request's parameters. coins [B, N + 1] uniforms in [0, 1) (`draw_coins`): one per node (each
     node is tested at most once, as a child), and the last for the bonus. walk: `descend`, or the fused kernel
-    that equals it (the engine's on CUDA); probs_kernels: `target_probs`'s, likewise.
+    that equals it (the engine's on CUDA); probs_kernels: `target_probs`'s and the row sums', likewise.
     """
     B, N = tokens.shape
     dev = tokens.device
+    probs_kernels = probs_kernels or TORCH_PROBS
     probs = target_probs(logits, sampling, probs_kernels)  # [B, N, V] float32
+    V = probs.shape[-1]
     rows = torch.arange(B, device=dev)
     idx = torch.arange(N, device=dev)
     # repeat[b, k]: an elder valid sibling of k holds k's token, so k's q is zero when it is tested.
@@ -134,14 +136,14 @@ def walk_sampling(
     # q[b, j]: node j's probability after its parent, the q it has when tested (0 for the root, padding and repeats).
     q = torch.where(node_valid & (parents >= 0) & ~repeat, probs[rows[:, None], parents.clamp(min=0), tokens], 0.0)
     steps = N - 1 if max_depth is None else min(max_depth, N - 1)  # a node at depth d has index >= d
-    accepted, num_accepted, cur, walking = (walk or descend)(q, probs.sum(-1), parents, node_valid, coins, steps)
+    mass = probs_kernels.row_sum(probs.view(-1, V)).view(B, N)
+    accepted, num_accepted, cur, walking = (walk or descend)(q, mass, parents, node_valid, coins, steps)
     # The bonus: from the last node's p, less the children a stopped row rejected there. Where those held all of p
     # (a last child's ratio, q / left, can round to just below 1), from p: never a token of probability zero.
     p = probs[rows, cur]
     rejected = node_valid & (parents == cur[:, None]) & ~walking[:, None]  # [B, N]
-    V = p.shape[-1]
     rest = torch.cat([p, p.new_zeros(B, 1)], 1).scatter_(1, torch.where(rejected, tokens, V), 0.0)[:, :V]
-    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)
+    rest = torch.where(probs_kernels.row_sum(rest)[:, None] > 0, rest, p)
     return accepted, num_accepted, _sample(rest, coins[:, N])
 
 

@@ -226,6 +226,17 @@ def check_softmax(device, R, V, impl=kernels.softmax):
         torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
 
 
+def check_row_sum(device, R, V, impl=kernels.row_sum):
+    """Rows of random probabilities (one row's tail zero, one strided out of a wider tensor): the kernel's sums equal
+    torch's up to float32 summation order."""
+    g = torch.Generator().manual_seed(R * 1000 + V)
+    x = torch.rand(R, V + 3, generator=g)[:, :V]
+    x[0, V // 2:] = 0
+    ours, reference = impl(x.to(device)), sampling.row_sum(x.to(device))
+    assert ours.dtype == torch.float32 and ours.shape == (R,)
+    torch.testing.assert_close(ours, reference, atol=0, rtol=1e-5)
+
+
 def check_nucleus_floor(device, R, V):
     """Rows of random logits at several temperatures (one so sharp most probabilities are 0, one with ties), with
     top-k and top-p on and off in turn. Top-k floors (counts are exact) equal the sorting reference; top-p floors,
@@ -438,6 +449,12 @@ def test_softmax_cuda(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 128256), (9, 128256), (392, 32000), (49, 49152), (3, 5)], ids=str)
+def test_row_sum_cuda(case):
+    check_row_sum("cuda", *case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 128256), (9, 128256), (49, 128256), (392, 32000), (49, 49152), (7, 1000)],
                          ids=str)
 def test_nucleus_floor_cuda(case):
@@ -575,6 +592,11 @@ def test_softmax_interpreter(interpreter, case):
     interpreter(check_softmax, "cpu", *case)
 
 
+@pytest.mark.parametrize("case", [(3, 5000), (1, 3000)], ids=str)  # two and three chunks a row (one: torch's)
+def test_row_sum_interpreter(interpreter, case):
+    interpreter(check_row_sum, "cpu", *case)
+
+
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("case", [(2, 4, 4, 12), (1, 3, 3, 20), (3, 1, 4, 5), (1, 2, 2, 3), (2, 4, 3, 300)],
                          ids=lambda c: "B{}-k{}-steps{}-n{}".format(*c))
@@ -635,6 +657,10 @@ def _softmax_a_little_warmer(x, temperature):
     return kernels.softmax(x, temperature * 1.01)
 
 
+def _row_sum_short_of_the_last(x):
+    return kernels.row_sum(x[:, :-1])
+
+
 def _top_of_unnormalised(logits, k):
     values, indices = logits.float().topk(k, dim=-1)
     return values, indices
@@ -663,11 +689,13 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
     (check_descend, ("cpu", 16, 12, None, _descend_with_biased_coins)),
     (check_softmax, ("cpu", 3, 5000, _softmax_a_little_warmer)),
+    (check_row_sum, ("cpu", 3, 5000, _row_sum_short_of_the_last)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
 ], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "linear-of-x-alone",
         "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
-        "descend-biased-coins", "softmax-a-little-warmer", "frontier-forgets-ancestors", "tree-walk-short"])
+        "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
+        "frontier-forgets-ancestors", "tree-walk-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):
@@ -693,7 +721,7 @@ def test_every_kernel_waits_for_the_one_before():
 
     launched = {name: fn for module in (kernels, triton_paged) for name, fn in vars(module).items()
                 if isinstance(fn, JITFunction) and name.endswith("_kernel")}
-    assert len(launched) == 17
+    assert len(launched) == 18
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
