@@ -298,6 +298,14 @@ def test_nucleus_floor_keeps_ties():
     assert torch.equal(kept, torch.tensor([[True, True, True, False]]))
 
 
+def test_bonus_draw_at_the_top_of_the_cdf_keeps_to_tokens_with_mass():
+    """A uniform whose product with the mass rounds to the total (here u = 1) falls past the cdf; the draw falls back
+    to the last token with mass, not to a zeroed one after it."""
+    q = torch.tensor([[0.5, 0.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0], [0.2, 0.3, 0.1, 0.1, 0.3]])
+    assert verify._sample(q, torch.ones(3)).tolist() == [2, 1, 4]
+    assert verify._sample(q, torch.zeros(3)).tolist() == [0, 1, 0]
+
+
 def test_floor_searches_only_the_filters_some_row_uses():
     """target_probs passes a filter no row uses as None (its search skipped), and asks nothing when none is used;
     the probabilities are those of every filter passed (up to the renormalisation a filter does)."""
