@@ -67,7 +67,10 @@ class Result:
     step_vs_off: float = 1.0  # this setting's step time over the no-speculation step at the same batch size
 
 
-def random_head(target: TargetModel, draft_vocab: int = 32000) -> Eagle3Head:
+EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of published EAGLE-3 heads (Llama-3.1-8B's)
+
+
+def random_head(target: TargetModel, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> Eagle3Head:
     cfg = Eagle3Config.for_target(target.config, min(draft_vocab, target.config.vocab_size))
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     with torch.device(device):
@@ -225,8 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="random target and head of --arch, instead of --target and --draft")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
-    parser.add_argument("--draft-vocab", type=int, help="draft vocabulary of the random head (default 32000, as "
-                        "EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot vocabulary, as FR-Spec's)")
+    parser.add_argument("--draft-vocab", type=int, help=f"draft vocabulary of the random head (default "
+                        f"{EAGLE3_DRAFT_VOCAB}, as EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot "
+                        "vocabulary, as FR-Spec's)")
     parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
                         "template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: random "
                         "tokens of --input-len)")
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)
-        head = random_head(target, args.draft_vocab or 32000)
+        head = random_head(target, args.draft_vocab or EAGLE3_DRAFT_VOCAB)
     else:
         if args.draft_vocab:
             parser.error("--draft-vocab sizes the random head of --random-weights; a trained head has its own")

@@ -659,8 +659,9 @@ def _softmax_kernel(x_ptr, t_ptr, stats_ptr, out_ptr, V, stride, chunk, splits, 
                     SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One chunk of a row, on x / t: the first launch stores its max m and sum of exp(x / t - m) in stats [2, R,
     splits]; the second combines the row's into its max M and sum Z and writes exp(x / t - M) / Z. x / t is rounded
-    as torch's (`div_rn`: Triton's own division is approximate, an ulp of x / t that exp turns into 1e-4 of the
-    probability at a low temperature). A chunk all -inf counts for nothing (a row all -inf gives NaN, as torch's)."""
+    as torch's (`div_rn`): with Triton's own division, which is approximate, the GPU test failed 4 of its 6 cases
+    (low temperatures make |x / t| large, where an ulp of it is a visible change of exp) and passed with `div_rn`.
+    A chunk all -inf counts for nothing (a row all -inf gives NaN, as torch's)."""
     follow(PDL)
     row, split, R = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     t = tl.load(t_ptr + row)

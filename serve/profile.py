@@ -131,5 +131,6 @@ def print_idle(setting: str, idle: Idle, steps: int, top: int) -> None:
     for before, after, count, us in idle.gaps[:top]:
         print(f"  {us / steps:8.1f} us a step, {count / steps:5.2f}x  {before[:45]} -> {after[:45]}")
 
+
 if __name__ == "__main__":
     main()
