@@ -87,14 +87,14 @@ class TargetModel(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        positions: Tensor,
+        positions: Tensor | tuple[Tensor, Tensor],
         attn: AttentionMetadata,
         aux_layers: Sequence[int] = (),
     ) -> TargetOutput:
-        """input_ids, positions [B, T]. `aux_layers`: capture the residual stream entering these layers
-        (index L, the layer count, captures the final pre-norm stream)."""
+        """input_ids, positions [B, T] (or their `rotary` tables, the pair cos, sin [B, T, D]). `aux_layers`: capture
+        the residual stream entering these layers (index L, the layer count, captures the final pre-norm stream)."""
         x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary.tables(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:

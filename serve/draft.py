@@ -26,7 +26,14 @@ from eyas.common.target import TargetModel, TargetOutput
 from .attention.paged import PagedAttention, slots_of
 from .cuda_graphs import GraphCache
 from .kv_cache import KVPool
+from .rope import RopeTable
 from .tree import DraftKernels, DraftTree, TreeBuilder
+
+
+@functools.cache
+def _causal_mask(n: int, device: torch.device) -> Tensor:
+    """`causal_mask`, built once per size: inside a graph, building it is two launches a replay."""
+    return causal_mask(n, device)
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,10 @@ class Drafter:
     captures `extend` in its accept phase's graph; their inputs are then padded to fixed shapes by the engine."""
 
     def __init__(self, head: DraftHead, target: TargetModel, pool: KVPool, attention: type[PagedAttention],
-                 graphs: GraphCache, kernels: DraftKernels):
+                 graphs: GraphCache, kernels: DraftKernels, rope: RopeTable):
         self.head, self.target, self.pool, self.attention = head, target, pool, attention
         self.graphs = graphs
+        self.rope = rope  # the head's rotary tables, looked up in the decode step's graphs
         self.kernels = kernels  # the torch references of `tree`, or the fused kernels
         self.hot = head.hot_vocab.to(target.embed_tokens.weight.device)
         # The target's embedding rows of the draft vocabulary [Vd, H], gathered once (262 MB more for Llama-3.1-8B
@@ -81,26 +89,26 @@ class Drafter:
         identity = torch.equal(hot_ids, torch.arange(len(embeddings), device=hot_ids.device))
         self.draft_embeddings = embeddings if identity else embeddings[hot_ids]
 
-    def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, lengths: Tensor, table: Tensor
-               ) -> tuple[Tensor, Tensor]:
-        """Feeds the draft the target's states at positions start .. start+len-1 of each request; a pure tensor
+    def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, last: Tensor, table: Tensor,
+               rope: tuple[Tensor, Tensor] | None = None, new_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Feeds the draft the target's states at positions start .. start+T-1 of each request; a pure tensor
         function (no host reads), so decode steps capture it with the rest of their accept phase.
 
-        target_out: hidden / aux [B, T, ·] at those positions (rows past `lengths` are padding, their KV
-        lands in the request's reserved positions); next_tokens [B, T]: the token at position p + 1 for
-        each p; start, lengths [B]; table [B, M] the requests' blocks.
-        Returns the draft's output hidden [B, H] and logits [B, Vd] at each request's last extended position
-        (`draft_states` makes them per-request states).
+        target_out: hidden / aux [B, T, ·] at those positions (rows past `last` are padding, their KV lands in the
+        request's reserved positions); next_tokens [B, T]: the token at position p + 1 for each p; start [B]; last
+        [B] each request's last extended index (its length - 1); table [B, M] the requests' blocks. Where the caller
+        has them: rope, the head's rotary tables (cos, sin) [B, T, D] of those positions, and their cache slots
+        new_slots [B, T]. Returns the draft's output hidden [B, H] and logits [B, Vd] at each request's last
+        extended position (`draft_states` makes them per-request states).
         """
         B, T = next_tokens.shape
         device = next_tokens.device
-        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
-        attn = self.attention(self.pool, table, start, causal_mask(T, device).expand(B, T, T))
+        positions = rope if rope is not None else start[:, None] + torch.arange(T, device=device)
+        attn = self.attention(self.pool, table, start, _causal_mask(T, device).expand(B, T, T), new_slots=new_slots)
         embeds = self.target.embed_tokens(next_tokens)
         features = self.head.project_target(target_out)
         out = self.head.step(embeds, features, positions, attn)  # [B, T, H]
-        last = (lengths - 1)[:, None, None].expand(B, 1, out.shape[-1])
-        hidden = out.gather(1, last)[:, 0]  # [B, H]
+        hidden = out.gather(1, last[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # [B, H]
         return hidden, self.head.logits(hidden)  # [B, H], [B, Vd]
 
     def draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,
@@ -124,17 +132,17 @@ class Drafter:
         tokens = builder.first(*top_log_probs(logits, k))  # [B, k] draft indices
         hidden = hidden[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
         # Drafted node j (in drafting order) keeps its KV at position n + j; pass d drafts nodes k(d-1) .. kd-1, at
-        # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], rotary tables [B, num_steps, D].
+        # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], rotary tables [B, num_steps - 1,
+        # D] of pass d at column d - 1.
         prefix = lengths.to(torch.int32)
         nodes = torch.arange(shape.scratch, device=roots.device)
         slots = slots_of(table, lengths[:, None] + nodes, self.pool.block_size)
-        cos, sin = self.head.rotary(lengths[:, None] - 1 + torch.arange(shape.num_steps, device=roots.device),
-                                    hidden.dtype)
+        cos, sin = self.rope(lengths[:, None] + torch.arange(shape.num_steps - 1, device=roots.device))
         for depth in range(1, shape.num_steps):
             # The window is the nodes drafted so far; the frontier (the last k) sees its drafted ancestors.
             attn = self.attention(self.pool, table, prefix, builder.frontier.ancestors,
                                   new_slots=slots[:, k * (depth - 1) : k * depth])
-            rope = tuple(x[:, depth, None].expand(B, k, -1) for x in (cos, sin))  # the frontier's position
+            rope = tuple(x[:, depth - 1, None].expand(B, k, -1) for x in (cos, sin))  # the frontier's position
             embeds = F.embedding(tokens, self.draft_embeddings)
             out = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
             tokens = builder.extend(*top_log_probs(self.head.logits(out), k))

@@ -23,8 +23,9 @@ its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree drafting, the
 target pass with its verification (greedy or sampled), and the draft's extension along the accepted path with its
 inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work and
-one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks (greedy and sampled)
-and its top-k / top-p filter run as fused Triton kernels (`kernels.py`). On every device the engine joins each
+one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks (greedy and sampled),
+its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton kernels (`kernels.py`);
+each graph looks its rotary tables up (`rope.py`). On every device the engine joins each
 layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
@@ -53,12 +54,13 @@ from eyas.common.head_checkpoint import DraftHead
 from eyas.common.layers import fuse_projections
 from eyas.common.target import TargetModel, TargetOutput
 
+from .accept import TORCH_ACCEPT
 from .attention import attention_backend
-from .attention.paged import slots_of
 from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .kv_cache import KVPool, OutOfBlocks
+from .rope import rope_tables
 from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
@@ -165,6 +167,7 @@ class Engine:
         self.attention = attention_backend(self.config.attention, self.device)
         draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
         self.verify_greedy, self.descend, self.probs_kernels = verify_greedy, descend, TORCH_PROBS  # in the graph
+        self.accept_kernels = TORCH_ACCEPT  # the accept phase's bookkeeping
         if self.device.type == "cuda" and importlib.util.find_spec("triton"):
             from . import kernels
 
@@ -174,6 +177,7 @@ class Engine:
                     kernels.install(model)
             draft_kernels = kernels.DRAFT
             self.verify_greedy, self.descend, self.probs_kernels = kernels.verify_greedy, kernels.descend, kernels.PROBS
+            self.accept_kernels = kernels.ACCEPT
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -191,6 +195,11 @@ class Engine:
         self.pool = KVPool(tcfg.num_hidden_layers, num_blocks, bs, tcfg.num_key_value_heads, tcfg.head_dim,
                            dtype, self.device)
         self.graphs = GraphCache(self.device, self.config.cuda_graphs and self.attention.graph_safe)
+        # Positions a request may reach: the model's context, and no more than the whole pool.
+        self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
+        # The rotary tables of every position a decode step reads (`rope.py`): the target's, and the head's.
+        self.rope, *draft_rope = rope_tables([target.rotary] + ([head.rotary] if head is not None else []),
+                                             self.context_limit, dtype)
         self.aux_layers: tuple[int, ...] = ()
         self.drafter = None  # None: no speculation
         if head is not None:
@@ -198,10 +207,8 @@ class Engine:
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
             draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
-            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_kernels)
+            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_kernels, *draft_rope)
             self.aux_layers = head.target_layers(tcfg)
-        # Positions a request may reach: the model's context, and no more than the whole pool.
-        self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
         # Graphs need fixed shapes: every block table is as wide as the longest request can need.
         self.table_width = self._blocks_for(self.context_limit) if self.graphs.enabled else None
         self._last_table: tuple[tuple, Tensor] | None = None  # (its rows' blocks, padding, width), the table
@@ -447,8 +454,8 @@ class Engine:
             # the first generated token).
             after = [r.tokens[s + 1 : e + 1] for r, s, e in zip(requests, starts, ends, strict=True)]
             next_tokens = torch.tensor([a + [0] * (T - len(a)) for a in after], device=device)
-            states = draft_states(*self.drafter.extend(out, next_tokens, prefix, torch.tensor(lengths, device=device),
-                                                       table))
+            last = torch.tensor([n - 1 for n in lengths], device=device)
+            states = draft_states(*self.drafter.extend(out, next_tokens, prefix, last, table))
             for r, state in zip(requests, states, strict=True):
                 if not r.finished:
                     r.draft = state
@@ -516,7 +523,7 @@ class Engine:
         """One target pass over every tree node (node j's KV goes to position n + j; each node sees the prefix
         and its ancestors) and, in the same graph, the verification of trees `depth` deep: greedy, or by `sampling`
         (`_sampling`). -> (its output, accepted, num_accepted, bonus)."""
-        inputs = (tree.tokens, tree.parents, n[:, None] + tree.depth, table, n, tree.mask)
+        inputs = (tree.tokens, tree.parents, tree.depth, table, n, tree.mask)
         if sampling is None:
             name, verify = f"target, greedy verification {depth}", functools.partial(self.verify_greedy,
                                                                                     max_depth=depth)
@@ -529,9 +536,10 @@ class Engine:
         hidden, aux, *verified = self.graphs(name, functools.partial(self._target_forward, verify), *inputs)
         return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *verified)
 
-    def _target_forward(self, verify, tokens: Tensor, parents: Tensor, positions: Tensor, table: Tensor,
+    def _target_forward(self, verify, tokens: Tensor, parents: Tensor, depth: Tensor, table: Tensor,
                         prefix: Tensor, mask: Tensor, *verify_inputs: Tensor):
-        out = self.target(tokens, positions, self.attention(self.pool, table, prefix, mask), aux_layers=self.aux_layers)
+        rope = self.rope(prefix[:, None] + depth)  # node j's position: n + its depth
+        out = self.target(tokens, rope, self.attention(self.pool, table, prefix, mask), aux_layers=self.aux_layers)
         logits = self.target.logits(out.hidden).float()
         aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
         return (out.hidden, aux) + verify(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
@@ -555,13 +563,12 @@ class Engine:
             # A fixed length, the deepest path the tree can accept: graphs need one, and reading the accepted lengths
             # would wait for the step.
             T = min(depth + 1, tree.tokens.shape[1])
-            move = shape is not None and shape.topk > 1
             inputs = (accepted, num_accepted, bonus, tree.tokens, out.hidden, n, table) + (
                 (out.aux,) if out.aux is not None else ())
-            hidden, logits, *moves = self.graphs(f"accept, path {T}, move {move}",
-                                                 functools.partial(self._follow_path, T, move), *inputs)
-            if moves:  # eager, after the graph: a move is not idempotent, and a graph's first call runs thrice
-                self.pool.move(*moves)
+            hidden, logits = self.graphs(f"accept, path {T}", functools.partial(self._follow_path, T), *inputs)
+            if shape is not None and shape.topk > 1:  # a chain's accepted path is its first nodes, already in place
+                # Eager, after the graph: a move is not idempotent, and a graph's first call runs thrice.
+                self.accept_kernels.move_path(self.pool, accepted, num_accepted, n, table, T)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
                 hidden, logits = hidden.clone(), logits.clone()
             draft = (hidden, logits)
@@ -589,30 +596,17 @@ class Engine:
                 request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
 
-    def _follow_path(self, T: int, move: bool, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor,
-                     hidden: Tensor, n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, ...]:
-        """The accepted path's device work but the KV move, one CUDA graph per (bucket, T, move): the draft extended
-        along the path's first T nodes (rows past num_accepted + 1 are padding) and, with `move`, the pool rows its
-        target KV moves between. path [B', N] node indices (accepted, then -1); num_accepted, bonus, n [B'];
+    def _follow_path(self, T: int, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,
+                     n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The draft extended along the accepted path's first T nodes (rows past num_accepted + 1 are padding), one
+        CUDA graph per (bucket, T). path [B', N] node indices (accepted, then -1); num_accepted, bonus, n [B'];
         tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows' tables hold only
         the scratch block, so whatever they accept is written there. -> the draft's hidden [B', H] and logits
-        [B', Vd] at each row's last accepted node, then with `move` the source and destination rows [2·L·B'·T]
-        (`KVPool.move`)."""
-        nodes = path[:, :T].clamp(min=0)  # [B', T]
-        # The draft reads the target's states along the path and, at each node, the token after it.
-        after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
-        is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
-        next_tokens = torch.where(is_last, bonus[:, None], after)
-        states = TargetOutput(hidden=_rows(hidden, nodes), aux=None if aux is None else _rows(aux, nodes))
-        drafted = self.drafter.extend(states, next_tokens, n, num_accepted + 1, table)
-        if not move:  # a chain's accepted path is its first nodes, already in place
-            return drafted
-        # Node nodes[b, j] moves from position n + nodes[b, j] to n + j; columns past a row's path, and nodes
-        # already in place, copy a slot onto itself.
-        j = torch.arange(T, device=path.device)
-        source = torch.where(j <= num_accepted[:, None], nodes, j)  # [B', T]
-        slots = (slots_of(table, n[:, None] + x, self.pool.block_size).flatten() for x in (source, j[None]))
-        return drafted + tuple(self.pool.rows_of(x) for x in slots)
+        [B', Vd] at each row's last accepted node."""
+        along = self.accept_kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n, table,
+                                                self.pool.block_size, T)
+        return self.drafter.extend(along.states, along.next_tokens, n, num_accepted, table,
+                                   self.drafter.rope(along.positions), along.slots)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""
@@ -648,11 +642,6 @@ def _generators(requests: list[Request]) -> list[torch.Generator | None] | None:
     """The requests' own generators, or None when none has one: then one draw from the shared generator serves all."""
     generators = [r.generator for r in requests]
     return None if all(g is None for g in generators) else generators
-
-
-def _rows(x: Tensor, index: Tensor) -> Tensor:
-    """x [B, N, D], index [B, T] -> [B, T, D]."""
-    return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
 __all__ = ["Engine", "EngineConfig", "OutOfBlocks", "Request", "TreeShape"]

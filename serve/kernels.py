@@ -5,7 +5,8 @@ fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculati
 the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down the tree,
 greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a
 row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in
-place of a sort).
+place of a sort); after verification, the draft's inputs along each accepted path and the move of its KV
+(`path_inputs`, `move_path`).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -17,8 +18,9 @@ rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
 attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
-`verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums) in place of their torch
-references (`serve.tree`, `serve.verify`, `serve.sampling`), which they equal. They have no backward: the trainer
+`verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums), and its accept phase `ACCEPT`,
+in place of their torch references (`serve.tree`, `serve.verify`, `serve.sampling`, `serve.accept`), which they
+equal. They have no backward: the trainer
 keeps the torch kernels. Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture
 them. Triton launches on the current CUDA device; on Hopper and later, with programmatic dependent launch
 (`launch_options`).
@@ -34,8 +36,10 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from eyas.common.layers import Kernels, add_norm
+from eyas.common.target import TargetOutput
 
-from . import tree
+from . import accept, tree
+from .kv_cache import KVPool
 from .sampling import ProbsKernels
 
 jit = triton.jit
@@ -947,6 +951,89 @@ def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_
     tl.store(depth_ptr + row * n + r, depth, mask=r_ok)
 
 
+PATH_BLOCK = 1024  # columns of the target's hidden ‖ aux row a program of `path_inputs` copies
+
+
+def path_inputs(path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,
+                aux: Tensor | None, n: Tensor, table: Tensor, block_size: int, T: int) -> accept.PathInputs:
+    """`eyas.serve.accept.path_inputs` in one launch: program (row, t, chunk) copies a chunk of the target's hidden ‖
+    aux row at the row's path node t, and the chunk-0 programs write column t's next token, position and slot."""
+    B, N, H = hidden.shape
+    A = 0 if aux is None else aux.shape[-1]
+    device = path.device
+    next_tokens = torch.empty(B, T, dtype=tokens.dtype, device=device)
+    positions, slots = (torch.empty(B, T, dtype=torch.long, device=device) for _ in range(2))
+    hidden_rows = torch.empty(B, T, H, dtype=hidden.dtype, device=device)
+    aux_rows = None if aux is None else torch.empty(B, T, A, dtype=aux.dtype, device=device)
+    path, tokens, hidden = (x.contiguous() for x in (path, tokens, hidden))
+    aux = hidden if aux is None else aux.contiguous()  # A = 0: never read
+    _path_inputs_kernel[(B * T, triton.cdiv(H + A, PATH_BLOCK))](
+        path, num_accepted, bonus, tokens, hidden, aux, n, table, next_tokens, positions, slots, hidden_rows,
+        hidden_rows if aux_rows is None else aux_rows, N, T, H, A, table.stride(0), BLOCK_SIZE=block_size,
+        BLOCK=PATH_BLOCK, **launch_options(device),
+    )
+    return accept.PathInputs(next_tokens, positions, slots, TargetOutput(hidden=hidden_rows, aux=aux_rows))
+
+
+@jit
+def _path_inputs_kernel(path_ptr, num_ptr, bonus_ptr, tokens_ptr, hidden_ptr, aux_ptr, n_ptr, table_ptr, next_ptr,
+                        positions_ptr, slots_ptr, hidden_out_ptr, aux_out_ptr, N, T, H, A, stride_table,
+                        BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
+    cell = tl.program_id(0).to(tl.int64)  # b * T + t
+    b, t = cell // T, cell % T
+    node = b * N + tl.maximum(tl.load(path_ptr + b * N + t), 0)  # past the path: node 0
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # columns of hidden ‖ aux
+    in_hidden, in_aux = i < H, (i >= H) & (i < H + A)
+    tl.store(hidden_out_ptr + cell * H + i, tl.load(hidden_ptr + node * H + i, mask=in_hidden), mask=in_hidden)
+    tl.store(aux_out_ptr + cell * A + i - H, tl.load(aux_ptr + node * A + i - H, mask=in_aux), mask=in_aux)
+    if tl.program_id(1) == 0:
+        bonus = tl.load(bonus_ptr + b)
+        last = (t == tl.load(num_ptr + b)) | (t == T - 1)
+        after = tl.load(path_ptr + b * N + t + 1, mask=t < T - 1, other=0)  # the path's next node
+        tl.store(next_ptr + cell, tl.where(last, bonus, tl.load(tokens_ptr + b * N + tl.maximum(after, 0))))
+        position = tl.load(n_ptr + b) + t
+        block = tl.load(table_ptr + b * stride_table + position // BLOCK_SIZE).to(tl.int64)
+        tl.store(positions_ptr + cell, position)
+        tl.store(slots_ptr + cell, block * BLOCK_SIZE + position % BLOCK_SIZE)
+
+
+def move_path(pool: KVPool, path: Tensor, num_accepted: Tensor, n: Tensor, table: Tensor, T: int) -> None:
+    """`eyas.serve.accept.move_path` in one launch (torch's gather and scatter are two): program (row, plane) moves
+    the row's nodes in one of the pool's 2·L planes (each layer's keys, then values), t = 1 .. T-1 in order. The
+    path rises (path[t] >= t, strictly), so move t reads a slot no earlier move wrote, and writes one that only an
+    earlier move read: in order, with a barrier between moves, every read comes before the write it must precede."""
+    planes = pool.kv.view(-1, pool.kv.shape[2], pool.kv.shape[3] * pool.kv.shape[4])  # [2·L, slots, Hkv·D]
+    B, N = path.shape
+    W = planes.shape[2]
+    _move_path_kernel[(B, planes.shape[0])](
+        planes, path.contiguous(), num_accepted, n, table, N, table.stride(0), planes.stride(0), W, T=T,
+        BLOCK_SIZE=pool.block_size, BLOCK_W=min(triton.next_power_of_2(W), 1024), **launch_options(path.device),
+    )
+
+
+@jit
+def _move_path_kernel(planes_ptr, path_ptr, num_ptr, n_ptr, table_ptr, N, stride_table, stride_plane, W,
+                      T: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    plane = planes_ptr + tl.program_id(1).to(tl.int64) * stride_plane
+    num_accepted, start = tl.load(num_ptr + b), tl.load(n_ptr + b)
+    w = tl.arange(0, BLOCK_W)
+    for t in tl.static_range(1, T):
+        node = tl.load(path_ptr + b * N + t)
+        width = tl.where((t <= num_accepted) & (node != t), W, 0)  # columns to copy: none when node t stays put
+        source, dest = start + tl.maximum(node, 0), start + t
+        source = tl.load(table_ptr + b * stride_table + source // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE \
+            + source % BLOCK_SIZE
+        dest = tl.load(table_ptr + b * stride_table + dest // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + dest % BLOCK_SIZE
+        for c in range(0, W, BLOCK_W):
+            ok = c + w < width
+            tl.store(plane + dest * W + c + w, tl.load(plane + source * W + c + w, mask=ok), mask=ok)
+        tl.debug_barrier()  # this move's reads and writes are done before the next move's
+
+
+ACCEPT = accept.AcceptKernels(path_inputs, move_path)
 DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
 PROBS = ProbsKernels(softmax, nucleus_floor, row_sum)
 

@@ -35,7 +35,8 @@ from eyas.common.layers import (
     rms_norm,
 )
 from eyas.common.target import TargetModel
-from eyas.serve import sampling, tree, verify
+from eyas.serve import accept, sampling, tree, verify
+from eyas.serve.kv_cache import KVPool
 from eyas.serve.verify import verify_greedy
 from tests import triton_interpreter
 from tests.conftest import FAMILIES
@@ -300,6 +301,67 @@ def check_tree_builder(device, B, k, steps, n, ties=False, impl=kernels.DRAFT):
         assert a.dtype == b.dtype and torch.equal(a, b), field.name
 
 
+def random_paths(B, N, T, gen):
+    """Accepted paths as verification gives them: [B, N] rising node indices from the root (node 0), then -1; and
+    num_accepted [B], from 0 to T - 1. Row 0 accepts the most, its nodes packed from node 2 on where they fit, so
+    that its moves read slots that earlier moves write; row 1 accepts nothing."""
+    num_accepted = torch.randint(0, T, (B,), generator=gen)
+    num_accepted[0] = T - 1
+    num_accepted[1:2] = 0
+    path = torch.full((B, N), -1)
+    path[:, 0] = 0
+    for b, m in enumerate(num_accepted.tolist()):
+        packed = b == 0 and m + 1 < N
+        nodes = torch.arange(2, m + 2) if packed else torch.randperm(N - 1, generator=gen)[:m] + 1
+        path[b, 1 : m + 1] = nodes.sort().values
+    return path, num_accepted
+
+
+def block_tables(B, blocks_each, gen):
+    """[B, blocks_each] int32: every row's own blocks, shuffled over the pool."""
+    return torch.randperm(B * blocks_each, generator=gen).view(B, blocks_each).to(torch.int32)
+
+
+def check_path_inputs(device, B, N, T, H, A, block_size=16, impl=kernels.path_inputs):
+    """Random accepted paths (none accepted, all T - 1, in between), tables and target states (aux or none): the
+    kernel's next tokens, positions, slots and rows of hidden and aux equal the torch reference's, and their dtypes."""
+    gen = torch.Generator().manual_seed(B * 100 + N * 10 + T)
+    path, num_accepted = random_paths(B, N, T, gen)
+    tokens, bonus = torch.randint(0, 5000, (B, N), generator=gen), torch.randint(0, 5000, (B,), generator=gen)
+    blocks_each = -(-(N + 40) // block_size)
+    n = torch.randint(0, blocks_each * block_size - T, (B,), generator=gen)
+    hidden = torch.randn(B, N, H, generator=gen).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    aux = None if A == 0 else torch.randn(B, N, A, generator=gen).to(hidden.dtype)
+    inputs = [x if x is None else x.to(device) for x in (path, num_accepted, bonus, tokens, hidden, aux, n,
+                                                          block_tables(B, blocks_each, gen))]
+    ours, reference = impl(*inputs, block_size, T), accept.path_inputs(*inputs, block_size, T)
+    for name, a, b in [*zip(ours._fields[:3], ours[:3], reference[:3], strict=True),
+                       ("hidden", ours.states.hidden, reference.states.hidden),
+                       ("aux", ours.states.aux, reference.states.aux)]:
+        assert (a is None) == (b is None) == (name == "aux" and A == 0), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+
+
+def check_move_path(device, B, N, T, L=2, Hkv=2, D=8, block_size=4, impl=kernels.move_path):
+    """Random accepted paths moved in pools of random KV (rows' own blocks, shuffled; each row's path starting
+    anywhere in them, across block boundaries): the kernel leaves every slot of every layer as the torch reference's
+    gather and scatter do."""
+    gen = torch.Generator().manual_seed(B * 100 + N * 10 + T)
+    path, num_accepted = random_paths(B, N, T, gen)
+    blocks_each = -(-(N + 10) // block_size)
+    n = torch.randint(0, blocks_each * block_size - N, (B,), generator=gen)
+    table = block_tables(B, blocks_each, gen)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pools = [KVPool(L, B * blocks_each, block_size, Hkv, D, dtype, device) for _ in range(2)]
+    kv = torch.randn(pools[0].kv.shape, generator=gen).to(dtype)
+    inputs = [x.to(device) for x in (path, num_accepted, n, table)]
+    for pool, move in zip(pools, (impl, accept.move_path), strict=True):
+        pool.kv.copy_(kv)
+        move(pool, *inputs, T)
+    assert not torch.equal(pools[1].kv.cpu(), kv)  # the reference moved something
+    assert torch.equal(pools[0].kv, pools[1].kv)
+
+
 def check_model(path, device, dtype, rel_tol, B, T, joint=False):
     """The whole TargetModel forward on B rows of T tokens (final hidden, aux states, logits) with the fused kernels
     installed vs the torch ones, each fused kernel called where expected. `joint`: q/k/v and gate/up projections
@@ -473,6 +535,22 @@ def test_tree_builder_cuda(case, ties):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 8, 6, 4096, 3 * 4096), (1, 48, 7, 576, 3 * 576), (64, 8, 6, 4096, 0),
+                                  (8, 64, 9, 576, 3 * 576), (3, 2, 2, 100, 300)],
+                         ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))
+def test_path_inputs_cuda(case):
+    check_path_inputs("cuda", *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 8, 6, 32, 8, 128, 16), (1, 48, 7, 30, 3, 64, 16), (64, 8, 6, 32, 8, 128, 16),
+                                  (8, 64, 9, 2, 2, 8, 4), (4, 8, 2, 2, 2, 8, 4)],
+                         ids=lambda c: "B{}-N{}-T{}-L{}-Hkv{}-D{}-bs{}".format(*c))
+def test_move_path_cuda(case):
+    check_move_path("cuda", *case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B, T, joint", [(2, 300, False), (2, 300, True), (1, 1, True)], ids=str)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_model_cuda(family, B, T, joint, hf_checkpoint):
@@ -604,6 +682,17 @@ def test_tree_builder_interpreter(interpreter, case, ties):
     interpreter(check_tree_builder, "cpu", *case, ties)
 
 
+@pytest.mark.parametrize("case", [(3, 8, 6, 40, 120), (2, 12, 7, 1500, 0), (1, 2, 2, 3, 5)],
+                         ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))  # one column chunk, two, one row
+def test_path_inputs_interpreter(interpreter, case):
+    interpreter(check_path_inputs, "cpu", *case)
+
+
+@pytest.mark.parametrize("case", [(3, 8, 6), (4, 12, 9), (2, 3, 2)], ids=lambda c: "B{}-N{}-T{}".format(*c))
+def test_move_path_interpreter(interpreter, case):
+    interpreter(check_move_path, "cpu", *case)
+
+
 @pytest.mark.parametrize("B, T, joint", [(2, 9, False), (1, 1, True)], ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_model_interpreter(interpreter, family, B, T, joint, hf_checkpoint):
@@ -676,6 +765,14 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     return kernels.select_tree(tokens, scores, parents, num_draft_tokens, max_depth - 1)
 
 
+def _path_a_position_late(path, num_accepted, bonus, tokens, hidden, aux, n, table, block_size, T):
+    return kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n + 1, table, block_size, T)
+
+
+def _move_one_short(pool, path, num_accepted, n, table, T):
+    kernels.move_path(pool, path, num_accepted - 1, n, table, T)
+
+
 @pytest.mark.parametrize("check, args", [
     (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, False, _norm_without_eps)),
     (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, True, _norm_of_x_alone)),
@@ -692,10 +789,12 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     (check_row_sum, ("cpu", 3, 5000, _row_sum_short_of_the_last)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
+    (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
+    (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
 ], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "linear-of-x-alone",
         "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
         "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
-        "frontier-forgets-ancestors", "tree-walk-short"])
+        "frontier-forgets-ancestors", "tree-walk-short", "path-a-position-late", "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):
@@ -721,7 +820,7 @@ def test_every_kernel_waits_for_the_one_before():
 
     launched = {name: fn for module in (kernels, triton_paged) for name, fn in vars(module).items()
                 if isinstance(fn, JITFunction) and name.endswith("_kernel")}
-    assert len(launched) == 18
+    assert len(launched) == 20
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
