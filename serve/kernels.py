@@ -305,10 +305,9 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 
 def _composed(x, weight, bias, residual, norm, silu_mul_output):
     """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm before it in one
-    kernel, SiLU·mul after it in another."""
+    kernel."""
     normed, stream = add_norm(x, residual, norm, rms_norm)
-    y = rows_matmul(normed, weight, bias)
-    y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
+    y = rows_matmul(normed, weight, bias, silu_mul_output)
     return y if residual is None else (y, stream)
 
 
@@ -316,24 +315,28 @@ ROWS_MAX = 64  # more rows: cuBLAS
 ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (docs/perf.md)
 
 
-def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False) -> Tensor:
     """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, on tensor cores, in
     a kernel that joins the programmatic dependent launches (cuBLAS's cannot) and loads its first weights before
-    waiting on the kernel before; other inputs go to cuBLAS. x [..., K], weight [N, K] -> [..., N]."""
+    waiting on the kernel before, with SiLU·mul of the output's halves in its epilogue (`silu_mul_output`, a joint
+    gate/up weight: one launch where cuBLAS and `silu_mul` take two); other inputs go to cuBLAS (and `silu_mul`).
+    x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     M = x.numel() // K
     if not (2 <= M <= ROWS_MAX and N * K <= ROWS_MAX_WEIGHT and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.is_contiguous()):
-        return torch.nn.functional.linear(x, weight, bias)
+        y = torch.nn.functional.linear(x, weight, bias)
+        return silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
     rows = _rows(x)  # [M, K], after the check: cuBLAS takes x as it is
+    N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
     block_n, block_k, stages, warps = rows_config(block_m, K)
-    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    _rows_matmul_kernel[(triton.cdiv(N, block_n),)](
-        rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **launch_options(x.device),
+    out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
+    _rows_matmul_kernel[(triton.cdiv(N_out, block_n),)](
+        rows, weight, bias if bias is not None else weight, out, M, N_out, K, rows.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul_output, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_stages=stages, num_warps=warps, **launch_options(x.device),
     )
     return out
 
@@ -346,8 +349,11 @@ def rows_config(block_m: int, K: int) -> tuple[int, int, int, int]:
 
 @jit
 def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M)."""
+                        SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+    """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
+    SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
+    gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
@@ -355,25 +361,41 @@ def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_
     w_rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
     x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
     # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
-    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+    ok = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(w_rows + k[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+    w_up = tl.load(w_rows + N * K + k[None, :], mask=ok & SILU_MUL, other=0.0)
     follow(PDL)
-    acc = _rows_chunk(x_rows, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), m_ok, k, K)  # [BLOCK_M, BLOCK_N] fp32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
+    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, k, K, SILU_MUL)
     for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
-        acc = _rows_chunk(x_rows, w, acc, m_ok, kk, K)
+        ok = n_ok[:, None] & (kk < K)[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
+        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, K, SILU_MUL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    dtype = out_ptr.dtype.element_ty
+    if SILU_MUL:
+        if HAS_BIAS:
+            acc_up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @jit
-def _rows_chunk(x_rows, w, acc, m_ok, kk, K):
+def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, K, SILU_MUL: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K]: acc [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T,
-    w [BLOCK_N, BLOCK_K] the chunk's weights."""
+    w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up)."""
     x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-    return tl.dot(x, tl.trans(w), acc)
+    acc = tl.dot(x, tl.trans(w), acc)
+    if SILU_MUL:
+        acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    return acc, acc_up
 
 
 def launch_config(N: int) -> tuple[int, int, int]:

@@ -536,7 +536,7 @@ def test_tree_builder_cuda(case, ties):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 8, 6, 4096, 3 * 4096), (1, 48, 7, 576, 3 * 576), (64, 8, 6, 4096, 0),
-                                  (8, 64, 9, 576, 3 * 576), (3, 2, 2, 100, 300)],
+                                  (8, 64, 9, 576, 3 * 576), (3, 2, 2, 100, 300), (4, 1, 1, 576, 3 * 576)],
                          ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))
 def test_path_inputs_cuda(case):
     check_path_inputs("cuda", *case)
@@ -682,8 +682,8 @@ def test_tree_builder_interpreter(interpreter, case, ties):
     interpreter(check_tree_builder, "cpu", *case, ties)
 
 
-@pytest.mark.parametrize("case", [(3, 8, 6, 40, 120), (2, 12, 7, 1500, 0), (1, 2, 2, 3, 5)],
-                         ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))  # one column chunk, two, one row
+@pytest.mark.parametrize("case", [(3, 8, 6, 40, 120), (2, 12, 7, 1500, 0), (1, 2, 2, 3, 5), (2, 1, 1, 40, 120)],
+                         ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))  # one column chunk, two; one row; no path
 def test_path_inputs_interpreter(interpreter, case):
     interpreter(check_path_inputs, "cpu", *case)
 
@@ -778,6 +778,7 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, True, _norm_of_x_alone)),
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, _linear_norm_unweighted)),
     (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, _linear_silu_of_up)),
+    (check_fused_linear, ("cpu", torch.float16, 3, 70, 300, False, True, False, False, _linear_silu_of_up)),
     (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, _linear_of_x_alone)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_rotary_store, ("cpu", torch.float32, 2, 5, 4, 2, 128, _store_k_unrotated)),
@@ -791,9 +792,9 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
     (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
     (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
-], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "linear-of-x-alone",
-        "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised", "walk-into-padding",
-        "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
+], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "rows-silu-of-up",
+        "linear-of-x-alone", "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
+        "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
         "frontier-forgets-ancestors", "tree-walk-short", "path-a-position-late", "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
