@@ -39,7 +39,7 @@ def path_inputs(path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tenso
     after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
     is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
     positions = n[:, None] + torch.arange(T, device=path.device)
-    states = TargetOutput(hidden=_rows(hidden, nodes), aux=None if aux is None else _rows(aux, nodes))
+    states = TargetOutput(hidden=_gather_rows(hidden, nodes), aux=None if aux is None else _gather_rows(aux, nodes))
     return PathInputs(torch.where(is_last, bonus[:, None], after), positions, slots_of(table, positions, block_size),
                       states)
 
@@ -54,7 +54,7 @@ def move_path(pool: KVPool, path: Tensor, num_accepted: Tensor, n: Tensor, table
     pool.move(pool.rows_of(src), pool.rows_of(dst))
 
 
-def _rows(x: Tensor, index: Tensor) -> Tensor:
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     """x [B, N, D], index [B, T] -> [B, T, D]."""
     return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[-1]))
 

@@ -8,8 +8,8 @@
 
 Each `step` either prefills one chunk of each of as many admitted requests as fit `max_prefill_tokens`, or
 runs one decode step for every running request. A decode step drafts a tree per request (`draft.py`),
-verifies all its nodes in one target pass under a tree mask, accepts a path (`verify.py`), moves the
-accepted nodes' KV into place, and extends the draft with the accepted tokens' target states. Without a head
+verifies all its nodes in one target pass under a tree mask, accepts a path (`verify.py`), extends the draft with
+the accepted tokens' target states and moves the accepted nodes' KV into place (`accept.py`). Without a head
 (or with speculation off) the tree is the root alone, so the same code decodes one token a step: the
 baseline every comparison uses.
 
@@ -185,6 +185,10 @@ class Engine:
         for model in (target, head):
             if model is not None:
                 fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
+        # The rotary tables of every position a decode step can read (`rope.py`), the target's and the head's, built
+        # before the KV pool takes its share of the free memory.
+        self.rope, *draft_rope = rope_tables([target.rotary] + ([head.rotary] if head is not None else []),
+                                             tcfg.max_position_embeddings, dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the separate weights' memory, cached by the allocator, is free for the KV pool
         self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if head is not None else ()
@@ -197,9 +201,6 @@ class Engine:
         self.graphs = GraphCache(self.device, self.config.cuda_graphs and self.attention.graph_safe)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
-        # The rotary tables of every position a decode step reads (`rope.py`): the target's, and the head's.
-        self.rope, *draft_rope = rope_tables([target.rotary] + ([head.rotary] if head is not None else []),
-                                             self.context_limit, dtype)
         self.aux_layers: tuple[int, ...] = ()
         self.drafter = None  # None: no speculation
         if head is not None:
@@ -598,7 +599,7 @@ class Engine:
 
     def _follow_path(self, T: int, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,
                      n: Tensor, table: Tensor, aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The draft extended along the accepted path's first T nodes (rows past num_accepted + 1 are padding), one
+        """The draft extended along the accepted path's first T nodes (columns past num_accepted are padding), one
         CUDA graph per (bucket, T). path [B', N] node indices (accepted, then -1); num_accepted, bonus, n [B'];
         tokens [B', N]; hidden [B', N, H] and aux [B', N, 3·H] the target pass's. Padding rows' tables hold only
         the scratch block, so whatever they accept is written there. -> the draft's hidden [B', H] and logits
@@ -606,7 +607,7 @@ class Engine:
         along = self.accept_kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n, table,
                                                 self.pool.block_size, T)
         return self.drafter.extend(along.states, along.next_tokens, n, num_accepted, table,
-                                   self.drafter.rope(along.positions), along.slots)
+                                   self.drafter.rope(along.positions), along.slots, _path_mask(T, path.device))
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""
@@ -636,6 +637,13 @@ def step_reserve(trees: list[TreeShape]) -> int:
     """Positions a decode step may write beyond the cached ones: the largest tree (or the root), or the draft's
     scratch, and one more."""
     return 1 + max([1] + [max(t.num_draft_tokens, t.scratch) for t in trees])
+
+
+@functools.cache
+def _path_mask(T: int, device: torch.device) -> Tensor:
+    """The causal mask of an accepted path's T nodes, built once (in a graph, building it is two launches a replay);
+    T is at most a configured tree's depth + 1, so there are few."""
+    return causal_mask(T, device)
 
 
 def _generators(requests: list[Request]) -> list[torch.Generator | None] | None:

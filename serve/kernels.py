@@ -1,11 +1,11 @@
-"""Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q
-and k (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend
-calls), SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it
-fused in, a few-rows matmul for small weights (`rows_matmul`); and for speculation, the draft's top-k log-probs,
-the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down the tree,
-greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a
-row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in
-place of a sort); after verification, the draft's inputs along each accepted path and the move of its KV
+"""Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
+(with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
+SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it fused in, a
+few-rows matmul for small weights with SiLU·mul in its epilogue (`rows_matmul`); and for speculation, the draft's
+top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down
+the tree, greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`,
+`row_sum`: a row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a
+search in place of a sort); after verification, the draft's inputs along each accepted path and the move of its KV
 (`path_inputs`, `move_path`).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
@@ -282,6 +282,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
     """`eyas.common.layers.fused_linear`: epilogue(linear(norm(x + residual))), and with `residual` the pair (y,
     x + residual); the RMSNorm with `norm` = (weight, eps), the epilogue SiLU·mul of the output's two halves with
     `silu_mul_output`. x [..., K], weight [N, K] -> y [..., N] ([..., N / 2] with silu_mul_output)."""
+    assert not silu_mul_output or weight.shape[0] % 2 == 0, f"a joint gate/up weight of {weight.shape[0]} rows"
     if (x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous()
             or (residual is not None and residual.dtype != x.dtype)):
         return _composed(x, weight, bias, residual, norm, silu_mul_output)
@@ -305,7 +306,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 
 def _composed(x, weight, bias, residual, norm, silu_mul_output):
     """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm before it in one
-    kernel."""
+    kernel; SiLU·mul in the matmul's epilogue (or after cuBLAS's)."""
     normed, stream = add_norm(x, residual, norm, rms_norm)
     y = rows_matmul(normed, weight, bias, silu_mul_output)
     return y if residual is None else (y, stream)
@@ -1015,9 +1016,8 @@ def _path_inputs_kernel(path_ptr, num_ptr, bonus_ptr, tokens_ptr, hidden_ptr, au
         after = tl.load(path_ptr + b * N + t + 1, mask=t < T - 1, other=0)  # the path's next node
         tl.store(next_ptr + cell, tl.where(last, bonus, tl.load(tokens_ptr + b * N + tl.maximum(after, 0))))
         position = tl.load(n_ptr + b) + t
-        block = tl.load(table_ptr + b * stride_table + position // BLOCK_SIZE).to(tl.int64)
         tl.store(positions_ptr + cell, position)
-        tl.store(slots_ptr + cell, block * BLOCK_SIZE + position % BLOCK_SIZE)
+        tl.store(slots_ptr + cell, _slot(table_ptr + b * stride_table, position, BLOCK_SIZE))
 
 
 def move_path(pool: KVPool, path: Tensor, num_accepted: Tensor, n: Tensor, table: Tensor, T: int) -> None:
@@ -1045,14 +1045,18 @@ def _move_path_kernel(planes_ptr, path_ptr, num_ptr, n_ptr, table_ptr, N, stride
     for t in tl.static_range(1, T):
         node = tl.load(path_ptr + b * N + t)
         width = tl.where((t <= num_accepted) & (node != t), W, 0)  # columns to copy: none when node t stays put
-        source, dest = start + tl.maximum(node, 0), start + t
-        source = tl.load(table_ptr + b * stride_table + source // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE \
-            + source % BLOCK_SIZE
-        dest = tl.load(table_ptr + b * stride_table + dest // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + dest % BLOCK_SIZE
+        source = _slot(table_ptr + b * stride_table, start + tl.maximum(node, 0), BLOCK_SIZE)
+        dest = _slot(table_ptr + b * stride_table, start + t, BLOCK_SIZE)
         for c in range(0, W, BLOCK_W):
             ok = c + w < width
             tl.store(plane + dest * W + c + w, tl.load(plane + source * W + c + w, mask=ok), mask=ok)
         tl.debug_barrier()  # this move's reads and writes are done before the next move's
+
+
+@jit
+def _slot(table_row_ptr, position, BLOCK_SIZE: tl.constexpr):
+    """`slots_of` for one position of a row whose block table starts at table_row_ptr."""
+    return tl.load(table_row_ptr + position // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
 
 
 ACCEPT = accept.AcceptKernels(path_inputs, move_path)

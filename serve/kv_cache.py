@@ -63,7 +63,7 @@ class KVPool:
 
     def rows_of(self, slots: Tensor) -> Tensor:
         """slots [n] -> [2·L·n], the rows of the pool's [2·L·slots, Hkv·D] view holding every layer's key and value
-        at them (pure tensor work: a graph can compute them for `move`)."""
+        at them, for `move`."""
         return (self._plane_rows + slots).flatten()
 
     def move(self, src_rows: Tensor, dst_rows: Tensor) -> None:

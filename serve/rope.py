@@ -22,10 +22,9 @@ class RopeTable:
     def __init__(self, rotary: Rotary, positions: int, dtype: torch.dtype):
         cos, sin = rotary(torch.arange(positions, device=rotary.inv_freq.device)[None], dtype)  # [1, P, D] each
         self.table = torch.cat([cos[0], sin[0]], dim=-1)  # [P, 2·D]
-        self.positions = positions
 
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [...] int, each in [0, self.positions) -> cos, sin [..., D] (views of one gathered tensor)."""
+        """positions [...] int, each in [0, P) -> cos, sin [..., D] (views of one gathered tensor)."""
         return F.embedding(positions, self.table).chunk(2, dim=-1)
 
 

@@ -76,13 +76,13 @@ def test_block_table_is_built_again_only_when_blocks_change(target):
 
 
 def reference_tree(engine: Engine, request, shape: TreeShape, top_k):
-    """The tree EAGLE-2 drafts for `request` right after its prefill, recomputed without the paged cache: every
-    pass runs the head over the whole prompt plus the nodes drafted so far, under an explicit mask (the head's
-    one layer gives each position's k/v from its own inputs alone, so only the frontier's rows matter).
-    `top_k(logits, k)` picks each pass's children."""
+    """The tree EAGLE-2 drafts for `request` now, recomputed without the paged cache: every pass runs the head over
+    the whole sequence so far plus the nodes drafted so far, under an explicit mask (the head's one layer gives each
+    position's k/v from its own inputs alone, so only the frontier's rows matter). `top_k(logits, k)` picks each
+    pass's children."""
     head, target, hot, k, device = engine.drafter.head, engine.target, engine.drafter.hot, shape.topk, engine.device
-    ids = torch.tensor([request.tokens], device=device)  # the prompt and the root (the first generated token)
-    P = len(request.prompt)
+    ids = torch.tensor([request.tokens], device=device)  # the prompt, what was generated, and the root last
+    P = len(request.tokens) - 1
     positions = torch.arange(P, device=device)
     out = target(ids[:, :P], positions[None], CausalAttention(), aux_layers=engine.aux_layers)
     embeds, hidden = target.embed_tokens(ids[:, 1:]), head.project_target(out)
@@ -115,15 +115,17 @@ def recording(seen: list, top_k=top_log_probs):
 
 
 @torch.no_grad()
-def check_drafted_tree(target, shape: TreeShape, tol: float):
-    """The draft's paged KV (the prompt's, extended at prefill, and each pass's frontier at its scratch slots) gives
-    every pass the logits, and so the tree, that a cache-free recomputation gives. Eager (no CUDA graphs: the
-    recording runs each call); on CUDA with the Triton kernels."""
+def check_drafted_tree(target, shape: TreeShape, tol: float, decode_steps: int = 0):
+    """The draft's paged KV (the prompt's, extended at prefill, then along each decode step's accepted path, and
+    each pass's frontier at its scratch slots) gives every pass the logits, and so the tree, that a cache-free
+    recomputation gives. Eager (no CUDA graphs: the recording runs each call); on CUDA with the Triton kernels."""
     device = target.embed_tokens.weight.device
     engine = Engine(target, random_head(target).to(device), EngineConfig(tree=shape, block_size=4, num_blocks=64,
-                                                                          cuda_graphs=False))
-    request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=8)
-    engine.step()  # the prefill: the first token, the draft extended over the prompt
+                                                                          cuda_graphs=False, overlap=False))
+    request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=16)
+    for _ in range(1 + decode_steps):  # the prefill (the first token, the draft extended over the prompt), then steps
+        engine.step()
+    assert not request.finished and len(request.accepted) == decode_steps
     served, recomputed = [], []
     kernels = engine.drafter.kernels  # on CUDA the fused ones: the reference drafts with torch's
     engine.drafter.kernels = dataclasses.replace(kernels, top_log_probs=recording(served, kernels.top_log_probs))
@@ -137,15 +139,17 @@ def check_drafted_tree(target, shape: TreeShape, tol: float):
     assert torch.equal(tree.tokens, tokens) and torch.equal(tree.parents, parents)
 
 
+@pytest.mark.parametrize("decode_steps", [0, 2], ids=["after-prefill", "after-2-steps"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_drafted_tree_equals_uncached_drafting(target, shape):
-    check_drafted_tree(target, SHAPES[shape], 1e-5)
+def test_drafted_tree_equals_uncached_drafting(target, shape, decode_steps):
+    check_drafted_tree(target, SHAPES[shape], 1e-5, decode_steps)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode_steps", [0, 2], ids=["after-prefill", "after-2-steps"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_drafted_tree_equals_uncached_drafting_cuda(target, shape):
-    check_drafted_tree(copy.deepcopy(target).to("cuda"), SHAPES[shape], 1e-4)
+def test_drafted_tree_equals_uncached_drafting_cuda(target, shape, decode_steps):
+    check_drafted_tree(copy.deepcopy(target).to("cuda"), SHAPES[shape], 1e-4, decode_steps)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
