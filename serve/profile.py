@@ -18,7 +18,7 @@ operators each phase calls instead.
 With --idle (CUDA only) the steps run as they do in serving instead, the next one queued while the last runs, and
 the profile reports how long the GPU idles a step between kernels, and around which kernels: the host's share of a
 step that the overlap does not hide. The profiler's own work per launch adds to the host's: a small model's profiled
-steps are host-bound where its served ones are not (SmolLM2, plain: 1.05 ms a step profiled, 0.60–0.65 ms served;
+steps are host-bound where its served ones are not (SmolLM2, plain: 1.05 ms a step profiled, 0.60–0.63 ms served;
 docs/perf.md), so there the idle time is the profiled host's. A large model's should be near none.
 """
 

@@ -114,18 +114,34 @@ def recording(seen: list, top_k=top_log_probs):
     return recorded
 
 
+def accepting_last_children(verify):
+    """`verify_greedy` on logits rewritten so that after each node the target emits its last child's token: a
+    random head's trees are then accepted as deep as they go, along paths of later-ranked nodes (which move)."""
+    def verified(tokens, parents, logits, node_valid, max_depth=None):
+        logits = logits.clone()
+        for b, c in torch.nonzero(parents >= 0).tolist():  # children in node order: the last one written wins
+            logits[b, parents[b, c]] = -1e9
+            logits[b, parents[b, c], tokens[b, c]] = 1e9
+        return verify(tokens, parents, logits, node_valid, max_depth)
+    return verified
+
+
 @torch.no_grad()
 def check_drafted_tree(target, shape: TreeShape, tol: float, decode_steps: int = 0):
     """The draft's paged KV (the prompt's, extended at prefill, then along each decode step's accepted path, and
     each pass's frontier at its scratch slots) gives every pass the logits, and so the tree, that a cache-free
-    recomputation gives. Eager (no CUDA graphs: the recording runs each call); on CUDA with the Triton kernels."""
+    recomputation gives. The decode steps accept paths of drafted nodes (`accepting_last_children`). Eager (no CUDA
+    graphs: the recording runs each call); on CUDA with the Triton kernels."""
     device = target.embed_tokens.weight.device
     engine = Engine(target, random_head(target).to(device), EngineConfig(tree=shape, block_size=4, num_blocks=64,
                                                                           cuda_graphs=False, overlap=False))
-    request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=16)
+    engine.verify_greedy = accepting_last_children(engine.verify_greedy)
+    request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=32)
     for _ in range(1 + decode_steps):  # the prefill (the first token, the draft extended over the prompt), then steps
         engine.step()
-    assert not request.finished and len(request.accepted) == decode_steps
+    assert not request.finished and len(request.accepted) == decode_steps and (sum(request.accepted) > 0) == (
+        decode_steps > 0)
+    engine._ensure_blocks()  # room for the tree drafted below
     served, recomputed = [], []
     kernels = engine.drafter.kernels  # on CUDA the fused ones: the reference drafts with torch's
     engine.drafter.kernels = dataclasses.replace(kernels, top_log_probs=recording(served, kernels.top_log_probs))
