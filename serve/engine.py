@@ -24,9 +24,9 @@ On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_g
 target pass with its verification (greedy or sampled), and the draft's extension along the accepted path with its
 inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work and
 one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks (greedy and sampled),
-its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton kernels (`kernels.py`);
-each graph looks its rotary tables up (`rope.py`). On every device the engine joins each
-layer's q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
+its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton kernels
+(`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
+q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -187,8 +187,9 @@ class Engine:
                 fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
         # The rotary tables of every position a decode step can read (`rope.py`), the target's and the head's, built
         # before the KV pool takes its share of the free memory.
-        self.rope, *draft_rope = rope_tables([target.rotary] + ([head.rotary] if head is not None else []),
-                                             tcfg.max_position_embeddings, dtype)
+        rope = rope_tables([target.rotary] + ([head.rotary] if head is not None else []), tcfg.max_position_embeddings,
+                           dtype)
+        self.rope = rope[0]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the separate weights' memory, cached by the allocator, is free for the KV pool
         self.tree_by_batch = (self.config.tree_by_batch or ((1, self.config.tree),)) if head is not None else ()
@@ -208,7 +209,7 @@ class Engine:
             draft_pool = KVPool(head.kv_layers, num_blocks, bs, hc.num_key_value_heads, hc.head_dim, dtype,
                                 self.device)
             draft_pool.allocator = self.pool.allocator  # one block table per request serves both pools
-            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_kernels, *draft_rope)
+            self.drafter = Drafter(head, target, draft_pool, self.attention, self.graphs, draft_kernels, rope[1])
             self.aux_layers = head.target_layers(tcfg)
         # Graphs need fixed shapes: every block table is as wide as the longest request can need.
         self.table_width = self._blocks_for(self.context_limit) if self.graphs.enabled else None

@@ -20,10 +20,9 @@ default), and the engine installs `FUSED` on the models it serves on CUDA when t
 attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
 `verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums), and its accept phase `ACCEPT`,
 in place of their torch references (`serve.tree`, `serve.verify`, `serve.sampling`, `serve.accept`), which they
-equal. They have no backward: the trainer
-keeps the torch kernels. Launches read sizes from tensor shapes only and never sync the host, so CUDA graphs capture
-them. Triton launches on the current CUDA device; on Hopper and later, with programmatic dependent launch
-(`launch_options`).
+equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor shapes only and
+never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device; on Hopper and later,
+with programmatic dependent launch (`launch_options`).
 """
 
 from __future__ import annotations
