@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .attention import AttentionMetadata
 from .config import ConfigError, RopeConfig, build_dataclass, read_layer_fields
 from .hot_vocab import HotVocab
-from .layers import MLP, Attention, RMSNorm, Rotary
+from .layers import MLP, Attention, Kernels, RMSNorm, Rotary
 from .target import TargetOutput
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -79,6 +79,8 @@ class EagleHead(nn.Module):
     """`lm_head_weight` [draft_vocab, H] holds the target's lm_head rows of the hot vocabulary (all rows
     without a token map); it is not part of the head's checkpoint."""
 
+    kernels = Kernels()  # fc and the lm_head go through `Kernels.linear` as the layers' projections do
+
     def __init__(self, cfg: EagleConfig, hot_vocab: HotVocab | None = None):
         super().__init__()
         self.config = cfg
@@ -115,7 +117,7 @@ class EagleHead(nn.Module):
              attn: AttentionMetadata) -> Tensor:
         """embeds, features [B, T, H]; positions [B, T] (or their `rotary` tables) -> output [B, T, H], the next
         step's features."""
-        x, residual = self.fc(torch.cat([embeds, features], dim=-1)), None
+        x, residual = self.kernels.linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias), None
         cos, sin = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attn)
@@ -123,4 +125,4 @@ class EagleHead(nn.Module):
 
     def logits(self, out: Tensor) -> Tensor:
         """out [B, T, H] -> logits over the draft vocabulary [B, T, draft_vocab]."""
-        return out @ self.lm_head_weight.T
+        return self.kernels.linear(out, self.lm_head_weight)

@@ -156,6 +156,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
+    kernels = Kernels()  # fc, and the final norm with the lm_head, go through `Kernels.linear` as the layer's do
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.config = cfg
@@ -189,7 +191,7 @@ class Eagle3Head(nn.Module):
 
     def project_target(self, target: TargetOutput) -> Tensor:
         """The target's captured streams aux [B, T, 3·Ht] -> first-step hidden input [B, T, H]."""
-        return self.fc(target.aux)
+        return self.kernels.linear(target.aux, self.fc.weight)
 
     def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor | tuple[Tensor, Tensor], attn: AttentionMetadata
              ) -> Tensor:
@@ -200,4 +202,4 @@ class Eagle3Head(nn.Module):
 
     def logits(self, out: Tensor) -> Tensor:
         """out [B, T, H] from `step` -> logits over the draft vocabulary [B, T, draft_vocab]."""
-        return self.lm_head(self.norm(out))
+        return self.kernels.linear(out, self.lm_head.weight, norm=self.norm.spec)

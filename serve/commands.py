@@ -32,12 +32,12 @@ from .sampling import SamplingParams
 def engine_options(args) -> dict:
     """The EngineConfig fields `add_engine_arguments`' options set."""
     return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph,
-            "overlap": not args.disable_overlap}
+            "overlap": not args.disable_overlap, "draft_fp8": args.draft_fp8}
 
 
 def add_engine_arguments(parser) -> None:
-    """The engine options every serving command shares: `--attention`, `--disable-cuda-graph` and
-    `--disable-overlap`."""
+    """The engine options every serving command shares: `--attention`, `--disable-cuda-graph`, `--disable-overlap`
+    and `--draft-fp8`."""
     parser.add_argument("--attention", choices=BACKENDS, default="auto",
                         help="attention backend: triton (paged kernels, CUDA graphs), flashinfer (needs "
                              "flashinfer-python; no CUDA graphs), torch (reference), or auto: triton on CUDA when "
@@ -47,6 +47,10 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--disable-overlap", action="store_true",
                         help="run decode steps one at a time: by default a step is queued before the last one's "
                              "tokens reach the host, so the host's work between steps overlaps the GPU's")
+    parser.add_argument("--draft-fp8", action="store_true",
+                        help="round the draft head's linear weights to float8 (a power-of-two scale per row): its "
+                             "passes read half the bytes. The served tokens are still the target's; the acceptance "
+                             "may change (measure it with eval-eagle)")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:

@@ -26,7 +26,8 @@ inputs. Batches are padded to a bucket, block tables to full width. On CUDA the 
 one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks (greedy and sampled),
 its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton kernels
 (`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
-q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`).
+q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`), and with
+`draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read (`fp8.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -59,6 +60,7 @@ from .attention import attention_backend
 from .autotune import TreeByBatch, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
 from .draft import Drafter, DraftState, TreeShape, draft_states
+from .fp8 import quantize_linears
 from .kv_cache import KVPool, OutOfBlocks
 from .rope import rope_tables
 from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
@@ -85,6 +87,9 @@ class EngineConfig:
     # Queue a decode step before the last one's tokens reach the host (`Engine.step`): the host's work between
     # steps then runs while the device computes. Off while profiling.
     overlap: bool = True
+    # The draft head's linear weights rounded to float8 (`fp8.py`; the head is changed in place): its few-rows passes
+    # read half the bytes. The served tokens stay the target's; the acceptance may change.
+    draft_fp8: bool = False
 
     def __post_init__(self):
         if not 0 < self.mem_fraction <= 1:
@@ -168,13 +173,11 @@ class Engine:
         draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
         self.verify_greedy, self.descend, self.probs_kernels = verify_greedy, descend, TORCH_PROBS  # in the graph
         self.accept_kernels = TORCH_ACCEPT  # the accept phase's bookkeeping
-        if self.device.type == "cuda" and importlib.util.find_spec("triton"):
+        fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        if fused:
             from . import kernels
 
             torch.cuda.set_device(self.device)  # Triton launches on the current device
-            for model in (target, head):  # fused elementwise kernels (the layers' torch ones are the reference)
-                if model is not None:
-                    kernels.install(model)
             draft_kernels = kernels.DRAFT
             self.verify_greedy, self.descend, self.probs_kernels = kernels.verify_greedy, kernels.descend, kernels.PROBS
             self.accept_kernels = kernels.ACCEPT
@@ -185,6 +188,11 @@ class Engine:
         for model in (target, head):
             if model is not None:
                 fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
+        fp8_copies = quantize_linears(head) if head is not None and self.config.draft_fp8 else None
+        if fused:  # fused elementwise kernels (the layers' torch ones are the reference)
+            kernels.install(target)
+            if head is not None:
+                kernels.install(head, kernels.with_fp8(fp8_copies) if fp8_copies is not None else None)
         # The rotary tables of every position a decode step can read (`rope.py`), the target's and the head's, built
         # before the KV pool takes its share of the free memory.
         rope = rope_tables([target.rotary] + ([head.rotary] if head is not None else []), tcfg.max_position_embeddings,

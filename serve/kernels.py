@@ -1,7 +1,8 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
 (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
 SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it fused in, a
-few-rows matmul for small weights with SiLU·mul in its epilogue (`rows_matmul`); and for speculation, the draft's
+few-rows matmul for small weights with SiLU·mul in its epilogue (`rows_matmul`), both reading a draft head's float8
+copies where the engine made them (`--draft-fp8`, `fp8.py`); and for speculation, the draft's
 top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down
 the tree, greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`,
 `row_sum`: a row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a
@@ -27,6 +28,7 @@ with programmatic dependent launch (`launch_options`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -38,6 +40,7 @@ from eyas.common.layers import Kernels, add_norm
 from eyas.common.target import TargetOutput
 
 from . import accept, tree
+from .fp8 import Fp8Weight, Fp8Weights
 from .kv_cache import KVPool
 from .sampling import ProbsKernels
 
@@ -277,14 +280,17 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-                 norm: tuple[Tensor, float] | None = None, silu_mul_output: bool = False):
+                 norm: tuple[Tensor, float] | None = None, silu_mul_output: bool = False,
+                 fp8: Fp8Weights | None = None):
     """`eyas.common.layers.fused_linear`: epilogue(linear(norm(x + residual))), and with `residual` the pair (y,
     x + residual); the RMSNorm with `norm` = (weight, eps), the epilogue SiLU·mul of the output's two halves with
-    `silu_mul_output`. x [..., K], weight [N, K] -> y [..., N] ([..., N / 2] with silu_mul_output)."""
+    `silu_mul_output`. Where `fp8` holds a float8 copy of `weight` (`serve/fp8.py`), the one-token and few-rows
+    kernels read that copy. x [..., K], weight [N, K] -> y [..., N] ([..., N / 2] with silu_mul_output)."""
     assert not silu_mul_output or weight.shape[0] % 2 == 0, f"a joint gate/up weight of {weight.shape[0]} rows"
+    quantized = fp8.get(weight) if fp8 is not None else None
     if (x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous()
             or (residual is not None and residual.dtype != x.dtype)):
-        return _composed(x, weight, bias, residual, norm, silu_mul_output)
+        return _composed(x, weight, bias, residual, norm, silu_mul_output, quantized)
     x = x.contiguous()
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
@@ -295,37 +301,53 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
     block_n, block_k, num_warps = launch_config(N)
     block_n //= 2 if silu_mul_output else 1  # a program's outputs: it reads a gate row and an up row for each
     _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
-        x, residual.contiguous() if residual is not None else x, stream if stream is not None else x, weight,
+        x, residual.contiguous() if residual is not None else x, stream if stream is not None else x,
+        quantized.values if quantized is not None else weight, quantized.scale if quantized is not None else weight,
         bias if bias is not None else weight, norm[0] if norm else weight, out, N_out, K, norm[1] if norm else 0.0,
         HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_options(x.device),
+        HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, **launch_options(x.device),
     )
     return out if stream is None else (out, stream)
 
 
-def _composed(x, weight, bias, residual, norm, silu_mul_output):
+def with_fp8(table: Fp8Weights) -> Kernels:
+    """`FUSED`, its linear layers reading the float8 copies in `table` (`serve/fp8.py`): what the engine installs on a
+    draft head served with `--draft-fp8`."""
+    return dataclasses.replace(FUSED, linear=functools.partial(fused_linear, fp8=table))
+
+
+def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
     """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm before it in one
     kernel; SiLU·mul in the matmul's epilogue (or after cuBLAS's)."""
     normed, stream = add_norm(x, residual, norm, rms_norm)
-    y = rows_matmul(normed, weight, bias, silu_mul_output)
+    y = rows_matmul(normed, weight, bias, silu_mul_output, quantized)
     return y if residual is None else (y, stream)
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
 ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (docs/perf.md)
+# Float8 copies read past one row: of weights this wide (an 8B head's gate/up and lm_head) they beat cuBLAS on the
+# bf16 weight (50 against 60 µs, 46 against 66 at 4 rows); narrower ones were even or slower (docs/perf.md), the
+# kernel being bound by converting and feeding the elements to the tensor cores, not by their bytes.
+ROWS_FP8_MIN_N = 16384
 
 
-def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False) -> Tensor:
-    """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, on tensor cores, in
-    a kernel that joins the programmatic dependent launches (cuBLAS's cannot) and loads its first weights before
-    waiting on the kernel before, with SiLU·mul of the output's halves in its epilogue (`silu_mul_output`, a joint
-    gate/up weight: one launch where cuBLAS and `silu_mul` take two); other inputs go to cuBLAS (and `silu_mul`).
+def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
+                quantized: Fp8Weight | None = None) -> Tensor:
+    """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a wide one with a
+    float8 copy (`quantized`, which it then reads: ROWS_FP8_MIN_N), on tensor cores, in a kernel that joins the
+    programmatic dependent launches (cuBLAS's cannot) and loads its first weights before waiting on the kernel before,
+    with SiLU·mul of the output's halves in its epilogue (`silu_mul_output`, a joint gate/up weight: one launch where
+    cuBLAS and `silu_mul` take two); other inputs go to cuBLAS (and `silu_mul`) with `weight`.
     x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     M = x.numel() // K
-    if not (2 <= M <= ROWS_MAX and N * K <= ROWS_MAX_WEIGHT and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.is_contiguous()):
+    if quantized is not None and N < ROWS_FP8_MIN_N:
+        quantized = None
+    if not (2 <= M <= ROWS_MAX and (N * K <= ROWS_MAX_WEIGHT or quantized is not None)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()):
         y = torch.nn.functional.linear(x, weight, bias)
         return silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
     rows = _rows(x)  # [M, K], after the check: cuBLAS takes x as it is
@@ -334,9 +356,11 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     block_n, block_k, stages, warps = rows_config(block_m, K)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     _rows_matmul_kernel[(triton.cdiv(N_out, block_n),)](
-        rows, weight, bias if bias is not None else weight, out, M, N_out, K, rows.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul_output, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps, **launch_options(x.device),
+        rows, quantized.values if quantized is not None else weight,
+        quantized.scale if quantized is not None else weight, bias if bias is not None else weight, out, M, N_out, K,
+        rows.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
+        **launch_options(x.device),
     )
     return out
 
@@ -348,12 +372,14 @@ def rows_config(block_m: int, K: int) -> tuple[int, int, int, int]:
 
 
 @jit
-def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
-                        SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
-    gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are."""
+    gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
+    float8 and each output column is scaled by its row's scale_ptr entry (`serve/fp8.py`): the products of x and
+    the float8 values are exact in the dot's fp32, and so is the power-of-two scale."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
@@ -375,10 +401,14 @@ def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
         acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, K, SILU_MUL)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     if SILU_MUL:
+        if HAS_SCALE:
+            acc_up *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc_up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         gate = acc.to(dtype).to(tl.float32)
@@ -390,11 +420,11 @@ def _rows_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_
 @jit
 def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, K, SILU_MUL: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K]: acc [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T,
-    w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up)."""
+    w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up), float8 ones converted to x's dtype (exactly)."""
     x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-    acc = tl.dot(x, tl.trans(w), acc)
+    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     if SILU_MUL:
-        acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
     return acc, acc_up
 
 
@@ -406,9 +436,10 @@ def launch_config(N: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr, out_ptr, N, K, eps,
+def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr, out_ptr, N, K, eps,
                          HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row x [K] against BLOCK_N rows of w [N, K] (with SILU_MUL, w is [2N, K]: gate rows, then up rows, and the
     program reads BLOCK_N of each): products summed over K at the end ([BLOCK_N, BLOCK_K] fp32 partial sums, so
     each load's reduction does not wait on the last).
@@ -418,7 +449,8 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr
     q/k/v 3 µs at the 8B shape, docs/perf.md.) The norm is folded out of the sum: y = rstd *
     sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
     reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
-    below the output's own rounding.)"""
+    below the output's own rounding.) With HAS_SCALE, w is float8 and each output is scaled by its row's
+    scale_ptr entry (`serve/fp8.py`)."""
     program = tl.program_id(0)
     n = program * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -444,6 +476,8 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr
         acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K,
                                              dtype, HAS_RESIDUAL, HAS_NORM, SILU_MUL)
     y = tl.sum(acc, 1)  # [BLOCK_N]
+    if HAS_SCALE:
+        y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
         y *= rstd
@@ -451,6 +485,8 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, bias_ptr, norm_w_ptr
         y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     if SILU_MUL:  # silu(gate) * up on the projection's rounded outputs, rounded where F.silu and the product are
         up = tl.sum(acc_up, 1)
+        if HAS_SCALE:
+            up *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)
         if HAS_NORM:
             up *= rstd
         if HAS_BIAS:

@@ -41,11 +41,13 @@ def test_recipe_switches_and_on_off(tmp_path, line, graphs, speculative):
     assert (args.disable_cuda_graph, args.speculative) == (graphs, speculative)
 
 
-@pytest.mark.parametrize("flags, overlap, graphs", [([], True, True), (["--disable-overlap"], False, True),
-                                                    (["--disable-cuda-graph"], True, False)])
-def test_engine_switches_reach_the_engine(flags, overlap, graphs):
+@pytest.mark.parametrize("flags, overlap, graphs, fp8", [([], True, True, False),
+                                                         (["--disable-overlap"], False, True, False),
+                                                         (["--disable-cuda-graph"], True, False, False),
+                                                         (["--draft-fp8"], True, True, True)])
+def test_engine_switches_reach_the_engine(flags, overlap, graphs, fp8):
     options = engine_options(parse_args(["--recipe", "smollm2-135m", *flags]))
-    assert (options["overlap"], options["cuda_graphs"]) == (overlap, graphs)
+    assert (options["overlap"], options["cuda_graphs"], options["draft_fp8"]) == (overlap, graphs, fp8)
     EngineConfig(**options)  # every option is an engine field
 
 

@@ -13,6 +13,7 @@ from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
 from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
+from eyas.serve.fp8 import dequantize, quantize
 from eyas.serve.generate import greedy_tokens
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.transfer import to_device
@@ -540,6 +541,41 @@ def test_served_acceptance_matches_training(target, trained):
     accepted = [a for r in requests for a in r.accepted]
     served_tau = 1 + sum(accepted) / len(accepted)
     assert tau > 1.3 and abs(served_tau - tau) < 0.25, (served_tau, tau)
+
+
+def check_draft_fp8(target, trained, shape: TreeShape, batch: int):
+    """With the head's weights rounded to float8 (`draft_fp8`) the output is still the target's; the head is rounded
+    (its weights are their own float8 rounding), and the trained head's acceptance moves little."""
+    head, ps, _ = trained
+    device = target.embed_tokens.weight.device
+    ps = ps[:8]
+    reference = [list(greedy_tokens(target, p, 32)) for p in ps]
+    taus = []
+    for fp8 in (False, True):
+        config = EngineConfig(tree=shape, block_size=4, num_blocks=512, max_batch_size=batch, draft_fp8=fp8)
+        engine = Engine(target, copy.deepcopy(head).to(device), config)
+        outputs, accepted = [], []
+        for i in range(0, len(ps), batch):
+            requests = engine.generate(ps[i : i + batch], GREEDY, max_new_tokens=32)
+            outputs += [r.output for r in requests]
+            accepted += [a for r in requests for a in r.accepted]
+        assert outputs == reference
+        taus.append(1 + sum(accepted) / len(accepted))
+        weight = engine.drafter.head.midlayer.mlp.gate_up_proj.weight
+        assert torch.equal(dequantize(quantize(weight), weight.dtype), weight) == fp8
+    assert abs(taus[1] - taus[0]) < 0.1 * taus[0], taus
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_draft_fp8_stays_exact_and_keeps_acceptance(target, trained, shape):
+    check_draft_fp8(target, trained, SHAPES[shape], 8)
+
+
+@pytest.mark.gpu
+def test_draft_fp8_stays_exact_and_keeps_acceptance_cuda(hf_checkpoint, trained):
+    """On CUDA (fp32: float8 kernels at one row, so a chain at batch 1) with CUDA graphs."""
+    cuda_target = TargetModel.from_pretrained(hf_checkpoint("llama")[0], device="cuda")
+    check_draft_fp8(cuda_target, trained, SHAPES["chain"], 1)
 
 
 def test_eagle1_head_with_token_map_equals_target_greedy(target, tmp_path):

@@ -16,6 +16,7 @@ the other side of a rounding boundary. The one-token linear is the exception (it
 
 import ast
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -36,6 +37,7 @@ from eyas.common.layers import (
 )
 from eyas.common.target import TargetModel
 from eyas.serve import accept, sampling, tree, verify
+from eyas.serve.fp8 import Fp8Weight, Fp8Weights, dequantize, quantize
 from eyas.serve.kv_cache import KVPool
 from eyas.serve.verify import verify_greedy
 from tests import triton_interpreter
@@ -89,10 +91,12 @@ def check_norm_cat(device, dtype, rows, n, strided=False, impl=kernels.norm_cat)
     assert_matches(impl(a, b, norm_a, norm_b), norm_cat(a, b, norm_a, norm_b), dtype)
 
 
-def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residual=False, impl=kernels.fused_linear):
+def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residual=False, fp8=False,
+                       impl=kernels.fused_linear):
     """epilogue(linear(norm(x + residual))) for x [rows, K] (row scales 1e-3..10 with `norm`) and weight [N, K]
     scaled to keep outputs near 1; `silu`: SiLU·mul of the output's halves; `residual`: also the stream x + residual
-    returned, exactly the reference's; vs the torch reference."""
+    returned, exactly the reference's; vs the torch reference. `fp8`: the weight rounded to float8 (`serve/fp8.py`),
+    the kernel reading the float8 copy; the reference the rounded weight in `dtype` (the same values)."""
     scale = torch.logspace(-3, 1, rows)[:, None] if norm else 4.0
     x = randn(rows, K, dtype=dtype, device=device, seed=0, scale=scale)
     weight = randn(N, K, dtype=dtype, device=device, seed=1, scale=K ** -0.5 * (4 if silu else 1))  # SiLU's tails
@@ -102,16 +106,35 @@ def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residu
         norm=(randn(K, dtype=dtype, device=device, seed=3, scale=0.1) + 1, EPS) if norm else None,
         silu_mul_output=silu,
     )
-    out, ref = impl(x, weight, **extra), fused_linear(x, weight, **extra)
+    if fp8:
+        copy = quantize(weight)
+        weight = dequantize(copy, dtype)
+        if rows == 1 or N >= kernels.ROWS_FP8_MIN_N:  # where the kernels read the float8 copy, not the weight: with
+            # the copy's values zeroed, the output is a zero weight's
+            zeroed = _fp8_table(weight, Fp8Weight(torch.zeros_like(copy.values), copy.scale))
+            assert_linear_matches(x, torch.zeros_like(weight), impl(x, weight, **extra, fp8=zeroed), extra, dtype)
+        impl = functools.partial(impl, fp8=_fp8_table(weight, copy))
+    assert_linear_matches(x, weight, impl(x, weight, **extra), extra, dtype)
+
+
+def _fp8_table(weight, copy) -> Fp8Weights:
+    table = Fp8Weights()
+    table.add(weight, copy)
+    return table
+
+
+def assert_linear_matches(x, weight, out, extra, dtype):
+    """`out` of a fused linear on x and weight with `extra` (its keyword arguments) against the torch reference."""
+    ref = fused_linear(x, weight, **extra)
     stream = x
-    if residual:
+    if extra["residual"] is not None:
         (out, out_stream), (ref, stream) = out, ref
         assert out_stream.dtype == stream.dtype and torch.equal(out_stream, stream)
     # Absolute tolerance on the scale of the largest output: the kernel folds the norm out of the sum (the reference
     # rounds the normed input), so a projection output may land one ulp away, which SiLU·mul scales by the other
     # half. Plus fp32 rounding of the largest sum of |products| (about 240 at K = 14336, past 1e-5 in fp32): the
     # sum's order differs from cuBLAS's.
-    a = rms_norm(stream, *extra["norm"]) if norm else stream
+    a = rms_norm(stream, *extra["norm"]) if extra["norm"] is not None else stream
     bound = (a.float().abs() @ weight.float().abs().T).max().item()
     tol = TOLERANCE[dtype]
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -453,6 +476,13 @@ LINEAR_CUDA = [(1, 6144, 4096, True, False, False, True), (1, 4096, 4096, False,
                (17, 576, 1536, False, False, True, False), (64, 960, 576, True, False, False, True),
                (8, 3072, 576, False, True, True, False)]
 # rows, N, K, norm, silu, bias, residual; past one row, weights up to 2^24 entries go to `rows_matmul`
+# Float8 copies (`--draft-fp8`) at a Llama-3.1-8B EAGLE-3 head's shapes: q/k/v on the 2H input, gate/up, down, the
+# 32,000-row lm_head with the final norm, fc; one row (a chain's pass), 4 and 8 (a tree's), 48; and SmolLM2's.
+LINEAR_FP8_CUDA = [(1, 6144, 8192, False, False, False, False), (1, 28672, 4096, True, True, False, True),
+                   (1, 32000, 4096, True, False, False, False), (4, 6144, 8192, False, False, False, False),
+                   (4, 28672, 4096, True, True, False, True), (4, 4096, 14336, False, False, False, False),
+                   (8, 32000, 4096, True, False, False, False), (6, 4096, 12288, False, False, False, False),
+                   (48, 28672, 4096, True, True, False, True), (4, 3072, 576, True, True, True, False)]
 
 
 def _linear_id(case):
@@ -465,6 +495,13 @@ def _linear_id(case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_fused_linear_cuda(dtype, case):
     check_fused_linear("cuda", dtype, *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LINEAR_FP8_CUDA, ids=_linear_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+def test_fused_linear_fp8_cuda(dtype, case):
+    check_fused_linear("cuda", dtype, *case, fp8=True)
 
 
 @pytest.mark.gpu
@@ -631,6 +668,17 @@ def test_fused_linear_interpreter(interpreter, dtype, case):
     interpreter(check_fused_linear, "cpu", dtype, *case)
 
 
+LINEAR_FP8_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
+                  (3, 16400, 40, True, False, False, True), (20, 16384, 48, False, True, True, False),
+                  (3, 40, 96, True, False, False, True)]  # the last: narrow, past one row the rounded weight
+
+
+@pytest.mark.parametrize("case", LINEAR_FP8_CPU, ids=_linear_id)
+def test_fused_linear_fp8_interpreter(interpreter, case):
+    """The float8 copies under the interpreter, in fp16 (past one row fp32 goes to torch, with the rounded weight)."""
+    interpreter(check_fused_linear, "cpu", torch.float16, *case, True)
+
+
 ROTARY_CPU = [(1, 1, 9, 3, 64, False), (2, 5, 4, 2, 128, True), (2, 3, 3, 1, 80, False)]  # B, T, Hq, Hkv, D, strided
 
 
@@ -775,6 +823,16 @@ def _walk_short(tokens, scores, parents, num_draft_tokens, max_depth):
     return kernels.select_tree(tokens, scores, parents, num_draft_tokens, max_depth - 1)
 
 
+def _linear_ignoring_fp8(x, weight, bias=None, *, fp8, **extra):
+    return kernels.fused_linear(x, weight, bias, **extra)
+
+
+def _fp8_scales_rolled(x, weight, bias=None, *, fp8, **extra):
+    copy = fp8.get(weight)
+    return kernels.fused_linear(x, weight, bias, fp8=_fp8_table(weight, Fp8Weight(copy.values, copy.scale.roll(1))),
+                                **extra)
+
+
 def _path_a_position_late(path, num_accepted, bonus, tokens, hidden, aux, n, table, block_size, T):
     return kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n + 1, table, block_size, T)
 
@@ -786,10 +844,12 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
 @pytest.mark.parametrize("check, args", [
     (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, False, _norm_without_eps)),
     (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, True, _norm_of_x_alone)),
-    (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, _linear_norm_unweighted)),
-    (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, _linear_silu_of_up)),
-    (check_fused_linear, ("cpu", torch.float16, 3, 70, 300, False, True, False, False, _linear_silu_of_up)),
-    (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, _linear_of_x_alone)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, False, _linear_norm_unweighted)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, False, _linear_silu_of_up)),
+    (check_fused_linear, ("cpu", torch.float16, 3, 70, 300, False, True, False, False, False, _linear_silu_of_up)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, False, _linear_of_x_alone)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, True, _linear_ignoring_fp8)),
+    (check_fused_linear, ("cpu", torch.float16, 3, 16384, 48, False, True, False, False, True, _fp8_scales_rolled)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_rotary_store, ("cpu", torch.float32, 2, 5, 4, 2, 128, _store_k_unrotated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
@@ -803,7 +863,8 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
     (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
 ], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "rows-silu-of-up",
-        "linear-of-x-alone", "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
+        "linear-of-x-alone", "linear-ignoring-fp8", "rows-fp8-scales-rolled", "rotary-sin-negated",
+        "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
         "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
         "frontier-forgets-ancestors", "tree-walk-short", "path-a-position-late", "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
