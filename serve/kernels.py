@@ -328,8 +328,8 @@ def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
 ROWS_MAX = 64  # more rows: cuBLAS
 ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (docs/perf.md)
 # Float8 copies read past one row: of weights this wide (an 8B head's gate/up and lm_head) they beat cuBLAS on the
-# bf16 weight (50 against 60 µs, 46 against 66 at 4 rows); narrower ones were even or slower (docs/perf.md), the
-# kernel being bound by converting and feeding the elements to the tensor cores, not by their bytes.
+# bf16 weight (50 against 60 µs, 48 against 66 at 4 rows); on narrower ones the kernel, which reads as many elements
+# a second from float8 as from bf16, was even or slower (docs/perf.md).
 ROWS_FP8_MIN_N = 16384
 
 
