@@ -180,7 +180,26 @@ def _verifier_architectures(cfg: ModelConfig) -> list[str]:
 
 
 def _dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.precision) or default_dtype(device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.precision) or default_dtype(device)
+    if dtype == torch.bfloat16 and device.type == "cpu" and (slower := _bf16_slowdown()) > 4:
+        tqdm.write(f"train-eagle: model.precision bf16 on this CPU: its bf16 matmuls run {slower:.0f}x slower than "
+                   "fp32 ones (no native bf16, e.g. AVX2 without AVX-512 BF16); model.precision=fp32 trains faster")
+    return dtype
+
+
+def _bf16_slowdown() -> float:
+    """How many times longer a bf16 matmul takes than an fp32 one on this CPU (best of 3 each, 0.1 s or so): a CPU
+    without bf16 instructions takes about 50 times longer (docs/results.md)."""
+    def seconds(dtype):
+        a = torch.ones(256, 256, dtype=dtype)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return seconds(torch.bfloat16) / seconds(torch.float32)
 
 
 def _prepare_data(recipe: TrainRecipe, target: TargetModel, aux_layers: tuple[int, ...], rank: int) -> TrainData:

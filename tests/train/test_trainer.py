@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import load_draft_head
-from eyas.train import checkpoint
+from eyas.train import checkpoint, trainer
 from eyas.train import data as train_data
 from eyas.train.config import load_recipe
 from eyas.train.optim import deepspeed_config, lr_factor
@@ -288,3 +288,15 @@ def test_stop_signal_leaves_an_ignored_sigint_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, outside)
+
+
+@pytest.mark.parametrize("precision, slowdown, warned", [("bf16", 50.0, True), ("bf16", 1.5, False),
+                                                         ("fp32", 50.0, False), ("auto", 50.0, False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_flagged(monkeypatch, capsys, precision, slowdown, warned):
+    """bf16 matmuls on a CPU without bf16 instructions run about 50 times slower than fp32 ones: asked for, bf16 is
+    used and the run says so (auto is fp32 on a CPU)."""
+    recipe = load_recipe("ci-tiny", [f"model.precision={precision}"])
+    monkeypatch.setattr(trainer, "_bf16_slowdown", lambda: slowdown)
+    dtype = trainer._dtype(recipe.model, torch.device("cpu"))
+    assert dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    assert ("model.precision=fp32 trains faster" in capsys.readouterr().out) == warned
