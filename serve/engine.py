@@ -87,8 +87,9 @@ class EngineConfig:
     # Queue a decode step before the last one's tokens reach the host (`Engine.step`): the host's work between
     # steps then runs while the device computes. Off while profiling.
     overlap: bool = True
-    # The draft head's linear weights rounded to float8 (`fp8.py`; the head is changed in place): its few-rows passes
-    # read half the bytes. The served tokens stay the target's; the acceptance may change.
+    # The draft head's linear weights rounded to float8 (`fp8.py`; the head is changed in place): on CUDA its one-row
+    # passes, and its widest weights at a few rows, read half the bytes. The served tokens stay the target's; the
+    # acceptance may change.
     draft_fp8: bool = False
 
     def __post_init__(self):

@@ -1,17 +1,19 @@
-"""The draft head's weights in FP8 (`--draft-fp8`): half the bytes a draft pass reads.
+"""The draft head's weights in FP8 (`--draft-fp8`): half the bytes of the weights a draft pass reads.
 
 At batch 1 a draft pass is a few rows against every weight of the head, so its time is its weights' bytes: at
 Llama-3.1-8B's shape about 750 MB a pass in bf16 (q/k/v, o, gate/up, down and a 32,000-row lm_head). Here each
 weight of the head's own linear layers is stored as float8 e4m3 values with a power-of-two scale per output row,
-and the engine's few-rows kernels read those (`kernels.fused_linear` with an `Fp8Weights` table).
+and the engine's one-row kernel reads those, as does its few-rows kernel for the widest weights (`kernels.fused_linear`
+with an `Fp8Weights` table; `kernels.ROWS_FP8_MIN_N` says why only those).
 
-The head keeps one set of values. Each weight is replaced by its float8 values times their scale in the weight's
-own dtype: an e4m3 value has 4 significant bits and a power-of-two scale moves only its exponent, so that is exact
-in bf16 and fp32. Every path then computes with the same weights: the kernels reading the float8 copy, prefill's
-matmuls over many rows reading the dequantized one, and the torch reference on any device. The target still
-verifies every drafted token, so the served tokens are the same as without it; how many are accepted may change.
-The head is changed in place (as `fuse_projections` changes it), after `fuse_projections`, whose joint weights are
-the ones quantized. Weights the head borrows (an EAGLE-1/2 head's lm_head, which is the target's) stay as they are.
+The head keeps one set of values. Each weight is replaced by its float8 values times their scale in the weight's own
+dtype: an e4m3 value has 4 significant bits and a power-of-two scale moves only its exponent, so that is exact in
+bf16 and fp32 (in fp16 too, but for weights below its normal range, 2^-14). Every path then computes with the same
+weights: the kernels reading the float8 copy, prefill's matmuls over many rows reading the dequantized one, and the
+torch reference on any device. The target still verifies every drafted token, so the served tokens are the same as
+without it; how many are accepted may change. The head is changed in place (as `fuse_projections` changes it), after
+`fuse_projections`, whose joint weights are the ones quantized. Weights the head borrows (an EAGLE-1/2 head's
+lm_head, which is the target's) stay as they are.
 """
 
 from __future__ import annotations
