@@ -302,13 +302,19 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
     block_n //= 2 if silu_mul_output else 1  # a program's outputs: it reads a gate row and an up row for each
     _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
         x, residual.contiguous() if residual is not None else x, stream if stream is not None else x,
-        quantized.values if quantized is not None else weight, quantized.scale if quantized is not None else weight,
-        bias if bias is not None else weight, norm[0] if norm else weight, out, N_out, K, norm[1] if norm else 0.0,
+        *_weight_and_scale(weight, quantized), bias if bias is not None else weight, norm[0] if norm else weight, out,
+        N_out, K, norm[1] if norm else 0.0,
         HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, HAS_BIAS=bias is not None,
         HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, **launch_options(x.device),
     )
     return out if stream is None else (out, stream)
+
+
+def _weight_and_scale(weight: Tensor, quantized: Fp8Weight | None) -> tuple[Tensor, Tensor]:
+    """What the linear kernels read: the float8 copy and its scales, or the weight (and the weight again as an unused
+    scale pointer)."""
+    return (quantized.values, quantized.scale) if quantized is not None else (weight, weight)
 
 
 def with_fp8(table: Fp8Weights) -> Kernels:
@@ -356,8 +362,7 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     block_n, block_k, stages, warps = rows_config(block_m, K)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     _rows_matmul_kernel[(triton.cdiv(N_out, block_n),)](
-        rows, quantized.values if quantized is not None else weight,
-        quantized.scale if quantized is not None else weight, bias if bias is not None else weight, out, M, N_out, K,
+        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, M, N_out, K,
         rows.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),
