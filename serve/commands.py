@@ -49,8 +49,8 @@ def add_engine_arguments(parser) -> None:
                              "tokens reach the host, so the host's work between steps overlaps the GPU's")
     parser.add_argument("--draft-fp8", action="store_true",
                         help="round the draft head's linear weights to float8 (a power-of-two scale per row): on "
-                             "CUDA its one-row passes (a chain at batch 1) then read half the bytes, a tree's passes "
-                             "only for the widest weights. The served tokens are still the target's; the acceptance "
+                             "CUDA its passes of up to 16 rows (a chain's or a tree's at batch 1) then read half the "
+                             "bytes of its large weights. The served tokens are still the target's; the acceptance "
                              "may change (measure it with eval-eagle)")
 
 

@@ -142,8 +142,10 @@ class Drafter:
             embeds = F.embedding(tokens, self.draft_embeddings)
             out = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
             tokens = builder.extend(*top_log_probs(self.head.logits(out), k))
-            rows = builder.frontier.rows[:, :, None].expand(-1, -1, out.shape[-1])
-            hidden = out.gather(1, rows)
+            if k > 1:  # a chain's one node is its frontier (a gather of row 0, 4-6 µs a pass at 8B)
+                hidden = out.gather(1, builder.frontier.rows[:, :, None].expand(-1, -1, out.shape[-1]))
+            else:
+                hidden = out
         tree = builder.finalize(shape.num_draft_tokens)
         tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
         return tokens, tree.parents, tree.depth, tree.mask

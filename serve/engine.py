@@ -88,7 +88,7 @@ class EngineConfig:
     # steps then runs while the device computes. Off while profiling.
     overlap: bool = True
     # The draft head's linear weights rounded to float8 (`fp8.py`; the head is changed in place): on CUDA its one-row
-    # passes, and its widest weights at a few rows, read half the bytes. The served tokens stay the target's; the
+    # passes, and its large weights at up to 16 rows, read half the bytes. The served tokens stay the target's; the
     # acceptance may change.
     draft_fp8: bool = False
 

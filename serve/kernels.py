@@ -1,8 +1,9 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
 (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
 SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it fused in, a
-few-rows matmul for small weights with SiLU·mul in its epilogue (`rows_matmul`), both reading a draft head's float8
-copies where the engine made them (`--draft-fp8`, `fp8.py`); and for speculation, the draft's
+few-rows matmul for small weights with SiLU·mul in its epilogue and K split over programs where its output columns
+are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made them (`--draft-fp8`,
+`fp8.py`); and for speculation, the draft's
 top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down
 the tree, greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`,
 `row_sum`: a row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a
@@ -52,6 +53,9 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "kernels", None), Kernels):
             module.kernels = kernels or FUSED
+    for parameter in model.parameters():  # made here, not inside a CUDA graph's capture
+        _split_counters(parameter.device)
+        break
 
 
 @functools.cache
@@ -333,24 +337,27 @@ def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
 
 ROWS_MAX = 64  # more rows: cuBLAS
 ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (docs/perf.md)
-# Float8 copies read past one row: of weights this wide (an 8B head's gate/up and lm_head) they beat cuBLAS on the
-# bf16 weight (50 against 60 µs, 48 against 66 at 4 rows); on narrower ones the kernel, which reads as many elements
-# a second from float8 as from bf16, was even or slower (docs/perf.md).
-ROWS_FP8_MIN_N = 16384
+# Float8 copies are read past one row up to ROWS_FP8_MAX rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
+# (every weight of an 8B head): there they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs,
+# the fc 22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
+# (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes.
+ROWS_FP8_MAX = 16
+ROWS_FP8_MIN_WEIGHT = 1 << 24
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
                 quantized: Fp8Weight | None = None) -> Tensor:
-    """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a wide one with a
-    float8 copy (`quantized`, which it then reads: ROWS_FP8_MIN_N), on tensor cores, in a kernel that joins the
+    """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a large one with a
+    float8 copy (`quantized`, which it then reads: ROWS_FP8_MAX), on tensor cores, in a kernel that joins the
     programmatic dependent launches (cuBLAS's cannot) and loads its first weights before waiting on the kernel before,
     with SiLU·mul of the output's halves in its epilogue (`silu_mul_output`, a joint gate/up weight: one launch where
-    cuBLAS and `silu_mul` take two); other inputs go to cuBLAS (and `silu_mul`) with `weight`.
+    cuBLAS and `silu_mul` take two); other inputs go to cuBLAS (and `silu_mul`) with `weight`. Weights of few output
+    columns split K over several programs (`rows_splits`).
     x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     M = x.numel() // K
-    if quantized is not None and N < ROWS_FP8_MIN_N:
+    if quantized is not None and not reads_fp8_rows(M, N, K):
         quantized = None
     if not (2 <= M <= ROWS_MAX and (N * K <= ROWS_MAX_WEIGHT or quantized is not None)
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()):
@@ -360,10 +367,16 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
     block_n, block_k, stages, warps = rows_config(block_m, K)
+    tiles = triton.cdiv(N_out, block_n)
+    splits = rows_splits(tiles, triton.cdiv(K, block_k), quantized is not None)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
-    _rows_matmul_kernel[(triton.cdiv(N_out, block_n),)](
-        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, M, N_out, K,
-        rows.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
+    # A split matmul's sums, each program's [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
+    partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device) \
+        if splits > 1 else out
+    _rows_matmul_kernel[(tiles, splits)](
+        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, partials,
+        _split_counters(x.device) if splits > 1 else out, M, N_out, K, rows.stride(0),
+        HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),
     )
@@ -376,36 +389,104 @@ def rows_config(block_m: int, K: int) -> tuple[int, int, int, int]:
     return 32, 256 if block_m <= 16 and K >= 2048 else 128, 4, 4
 
 
+def reads_fp8_rows(M: int, N: int, K: int) -> bool:
+    """Whether `rows_matmul` reads a float8 copy of a weight [N, K] at M rows (2 <= M <= ROWS_MAX)."""
+    return M <= ROWS_FP8_MAX and N * K >= ROWS_FP8_MIN_WEIGHT
+
+
+SPLIT_MAX_TILES = 4096  # the arrival counters' length: tiles of a split matmul
+
+
+def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
+    """How many programs share each of `tiles` tiles' K (`chunks` of BLOCK_K), from a sweep on an H200 (docs/perf.md).
+    Converting float8 weights bounds a program, so narrow ones gain from more programs: four on up to 256 tiles (an
+    8B head's q/k/v, o, down and fc, 4 and 8 rows: 22-29% faster), two on up to 512 (its gate/up, 10%). In bf16
+    only a long K over few tiles gains (SmolLM2's down, 576 x 1536: 2.9 against 4.4 µs with six); elsewhere the
+    sums' round trip costs more than the extra programs give."""
+    if tiles > SPLIT_MAX_TILES:
+        return 1
+    if float8:
+        splits = max(1, min(4, 1024 // tiles, chunks))
+    else:
+        splits = min(6, chunks // 2) if tiles <= 32 and chunks >= 8 else 1
+    return triton.cdiv(chunks, triton.cdiv(chunks, splits))  # runs of equal whole chunks, none empty
+
+
+@functools.cache
+def _split_counters(device: torch.device) -> Tensor:
+    """[SPLIT_MAX_TILES] int32 zeros, one per device, shared by every split `rows_matmul`: each program of a tile
+    adds one to its count, and the last resets it. Kernels of one stream run one after another (under PDL the
+    next touches them only after `follow`), so they never share a count."""
+    return torch.zeros(SPLIT_MAX_TILES, dtype=torch.int32, device=device)
+
+
 @jit
-def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_x,
+                        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
+                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
     float8 and each output column is scaled by its row's scale_ptr entry (`serve/fp8.py`): the products of x and
-    the float8 values are exact in the dot's fp32, and so is the power-of-two scale."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    the float8 values are exact in the dot's fp32, and so is the power-of-two scale.
+
+    With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
+    partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
+    SPLITS sums in split order, so the result does not depend on which program is last, and finishes the tile."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
+    run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K  # this program's K: begin .. end
+    begin = split * run
+    end = tl.minimum(begin + run, K)
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
     x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
     # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
-    ok = n_ok[:, None] & (k < K)[None, :]
-    w = tl.load(w_rows + k[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
-    w_up = tl.load(w_rows + N * K + k[None, :], mask=ok & SILU_MUL, other=0.0)
+    kk = begin + k
+    ok = n_ok[:, None] & (kk < end)[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+    w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok & SILU_MUL, other=0.0)
     follow(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
-    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, k, K, SILU_MUL)
-    for start in range(BLOCK_K, K, BLOCK_K):
+    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL)
+    for start in range(begin + BLOCK_K, end, BLOCK_K):
         kk = start + k
-        ok = n_ok[:, None] & (kk < K)[None, :]
+        ok = n_ok[:, None] & (kk < end)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
-        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, K, SILU_MUL)
+        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL)
+    if SPLITS == 1:
+        _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE, SILU_MUL)
+    else:
+        tile_sums = partials_ptr + (m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])  # [BLOCK_M, BLOCK_N]
+        size = 2 * BLOCK_M * BLOCK_N  # one program's sums
+        tl.store(tile_sums + (split * tl.num_programs(0) + tile) * size, acc)
+        if SILU_MUL:
+            tl.store(tile_sums + (split * tl.num_programs(0) + tile) * size + BLOCK_M * BLOCK_N, acc_up)
+        tl.debug_barrier()  # every thread's sums written before the count that releases them
+        if tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLITS):
+                sums = tile_sums + (s * tl.num_programs(0) + tile) * size
+                acc += tl.load(sums, cache_modifier=".cg")
+                if SILU_MUL:
+                    acc_up += tl.load(sums + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            tl.store(counters_ptr + tile, 0)
+            _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
+                           SILU_MUL)
+
+
+@jit
+def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr):
+    """`_rows_matmul_kernel`'s end: the sums acc (acc_up) [BLOCK_M, BLOCK_N] of output columns n scaled, biased,
+    through SiLU·mul, and stored."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -423,10 +504,11 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, str
 
 
 @jit
-def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, K, SILU_MUL: tl.constexpr):
-    """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K]: acc [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T,
-    w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up), float8 ones converted to x's dtype (exactly)."""
-    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL: tl.constexpr):
+    """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K] (columns from `end` on masked): acc
+    [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up), float8
+    ones converted to x's dtype (exactly)."""
+    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
     acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     if SILU_MUL:
         acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)

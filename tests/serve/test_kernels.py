@@ -109,7 +109,7 @@ def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residu
     if fp8:
         copy = quantize(weight)
         weight = dequantize(copy, dtype)
-        if rows == 1 or N >= kernels.ROWS_FP8_MIN_N:  # where the kernels read the float8 copy, not the weight: with
+        if rows == 1 or kernels.reads_fp8_rows(rows, N, K):  # where the kernels read the float8 copy: with
             # the copy's values zeroed, the output is a zero weight's
             zeroed = _fp8_table(weight, Fp8Weight(torch.zeros_like(copy.values), copy.scale))
             assert_linear_matches(x, torch.zeros_like(weight), impl(x, weight, **extra, fp8=zeroed), extra, dtype)
@@ -473,16 +473,19 @@ LINEAR_CUDA = [(1, 6144, 4096, True, False, False, True), (1, 4096, 4096, False,
                (48, 28672, 4096, True, True, False, True), (48, 4096, 4096, False, False, True, False),
                (48, 4096, 14336, False, False, False, True), (8, 4096, 4096, False, False, False, True),
                (2, 960, 576, True, False, True, True), (8, 3072, 576, True, True, False, True),
-               (17, 576, 1536, False, False, True, False), (64, 960, 576, True, False, False, True),
+               (17, 576, 1536, False, False, True, False), (8, 576, 1536, True, False, False, True),
+               (64, 960, 576, True, False, False, True),
                (8, 3072, 576, False, True, True, False)]
 # rows, N, K, norm, silu, bias, residual; past one row, weights up to 2^24 entries go to `rows_matmul`
 # Float8 copies (`--draft-fp8`) at a Llama-3.1-8B EAGLE-3 head's shapes: q/k/v on the 2H input, gate/up, down, the
-# 32,000-row lm_head with the final norm, fc; one row (a chain's pass), 4 and 8 (a tree's), 48; and SmolLM2's.
+# 32,000-row lm_head with the final norm, fc, o; one row (a chain's pass), 4 to 8 (a tree's, K split over 2 or 4
+# programs but for the lm_head), 48 (cuBLAS on the rounded weight); and SmolLM2's (past one row, its rounded weight).
 LINEAR_FP8_CUDA = [(1, 6144, 8192, False, False, False, False), (1, 28672, 4096, True, True, False, True),
                    (1, 32000, 4096, True, False, False, False), (4, 6144, 8192, False, False, False, False),
                    (4, 28672, 4096, True, True, False, True), (4, 4096, 14336, False, False, False, False),
                    (8, 32000, 4096, True, False, False, False), (6, 4096, 12288, False, False, False, False),
-                   (48, 28672, 4096, True, True, False, True), (4, 3072, 576, True, True, True, False)]
+                   (48, 28672, 4096, True, True, False, True), (4, 3072, 576, True, True, True, False),
+                   (8, 4096, 4096, False, False, True, False)]
 
 
 def _linear_id(case):
@@ -657,9 +660,10 @@ def test_norm_cat_interpreter(interpreter, dtype, rows, n, strided):
 LINEAR_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
               (1, 600, 64, True, True, False, True), (1, 33, 2100, False, False, False, True),
               (1, 8, 2500, True, False, False, True), (3, 40, 96, True, False, False, True),
-              (20, 70, 300, False, True, True, False)]
+              (20, 70, 300, False, True, True, False), (4, 40, 1100, False, False, True, False),
+              (5, 64, 1300, True, True, False, True)]
 # rows, N, K, norm, silu, bias, residual; ragged N and K; the stream written by three programs, then by one;
-# past one row, `rows_matmul` (fp16: fp32 goes to torch)
+# past one row, `rows_matmul` (fp16: fp32 goes to torch), the last two with K split over 3 and 4 programs
 
 
 @pytest.mark.parametrize("case", LINEAR_CPU, ids=_linear_id)
@@ -669,8 +673,9 @@ def test_fused_linear_interpreter(interpreter, dtype, case):
 
 
 LINEAR_FP8_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
-                  (3, 16400, 40, True, False, False, True), (20, 16384, 48, False, True, True, False),
-                  (3, 40, 96, True, False, False, True)]  # the last: narrow, past one row the rounded weight
+                  (3, 40, 96, True, False, False, True), (3, 512, 32768, False, False, True, False),
+                  (2, 256, 65536, False, True, False, False)]
+# past one row: a small weight (the rounded weight read); 2^24 entries (the copy read, K over 4 programs)
 
 
 @pytest.mark.parametrize("case", LINEAR_FP8_CPU, ids=_linear_id)
@@ -833,6 +838,17 @@ def _fp8_scales_rolled(x, weight, bias=None, *, fp8, **extra):
                                 **extra)
 
 
+def _rows_split_finished_early(x, weight, bias=None, **extra):
+    """A tile's count starting at 1 (a count left over, or a program counted twice): its second of three programs
+    finishes it before the third's sums are in."""
+    counters = kernels._split_counters(x.device)
+    counters.fill_(1)
+    try:
+        return kernels.fused_linear(x, weight, bias, **extra)
+    finally:
+        counters.zero_()
+
+
 def _path_a_position_late(path, num_accepted, bonus, tokens, hidden, aux, n, table, block_size, T):
     return kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n + 1, table, block_size, T)
 
@@ -849,7 +865,9 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_fused_linear, ("cpu", torch.float16, 3, 70, 300, False, True, False, False, False, _linear_silu_of_up)),
     (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, False, _linear_of_x_alone)),
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, True, _linear_ignoring_fp8)),
-    (check_fused_linear, ("cpu", torch.float16, 3, 16384, 48, False, True, False, False, True, _fp8_scales_rolled)),
+    (check_fused_linear, ("cpu", torch.float16, 3, 512, 32768, False, False, True, False, True, _fp8_scales_rolled)),
+    (check_fused_linear, ("cpu", torch.float16, 4, 40, 1100, False, False, True, False, False,
+                          _rows_split_finished_early)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_rotary_store, ("cpu", torch.float32, 2, 5, 4, 2, 128, _store_k_unrotated)),
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
@@ -863,8 +881,8 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
     (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
 ], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "rows-silu-of-up",
-        "linear-of-x-alone", "linear-ignoring-fp8", "rows-fp8-scales-rolled", "rotary-sin-negated",
-        "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
+        "linear-of-x-alone", "linear-ignoring-fp8", "rows-fp8-scales-rolled", "rows-split-finished-early",
+        "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
         "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
         "frontier-forgets-ancestors", "tree-walk-short", "path-a-position-late", "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
