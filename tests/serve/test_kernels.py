@@ -661,9 +661,11 @@ LINEAR_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, 
               (1, 600, 64, True, True, False, True), (1, 33, 2100, False, False, False, True),
               (1, 8, 2500, True, False, False, True), (3, 40, 96, True, False, False, True),
               (20, 70, 300, False, True, True, False), (4, 40, 1100, False, False, True, False),
-              (5, 64, 1300, True, True, False, True)]
+              (5, 64, 1300, True, True, False, True), (1, 24, 4100, True, False, True, True),
+              (1, 12, 4096, False, True, False, False)]
 # rows, N, K, norm, silu, bias, residual; ragged N and K; the stream written by three programs, then by one;
-# past one row, `rows_matmul` (fp16: fp32 goes to torch), the last two with K split over 3 and 4 programs
+# past one row, `rows_matmul` (fp16: fp32 goes to torch), two with K split over 3 and 4 programs; the last two, one
+# row of a long K in 4 (2 with SiLU·mul) weight rows a program
 
 
 @pytest.mark.parametrize("case", LINEAR_CPU, ids=_linear_id)
