@@ -53,9 +53,9 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "kernels", None), Kernels):
             module.kernels = kernels or FUSED
-    for parameter in model.parameters():  # made here, not inside a CUDA graph's capture
-        _split_counters(parameter.device)
-        break
+    first = next(model.parameters(), None)
+    if first is not None:  # the split matmuls' counters, made here rather than inside a CUDA graph's capture
+        _split_counters(first.device)
 
 
 @functools.cache
@@ -400,7 +400,7 @@ SPLIT_MAX_TILES = 4096  # the arrival counters' length: tiles of a split matmul
 def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     """How many programs share each of `tiles` tiles' K (`chunks` of BLOCK_K), from a sweep on an H200 (docs/perf.md).
     Converting float8 weights bounds a program, so narrow ones gain from more programs: four on up to 256 tiles (an
-    8B head's q/k/v, o, down and fc, 4 and 8 rows: 22-29% faster), two on up to 512 (its gate/up, 10%). In bf16
+    8B head's q/k/v, o, down and fc, 4 and 8 rows: 18-29% faster), two on up to 512 (its gate/up, 10%). In bf16
     only a long K over few tiles gains (SmolLM2's down, 576 x 1536: 2.9 against 4.4 µs with six); elsewhere the
     sums' round trip costs more than the extra programs give."""
     if tiles > SPLIT_MAX_TILES:
