@@ -370,12 +370,13 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     tiles = triton.cdiv(N_out, block_n)
     splits = rows_splits(tiles, triton.cdiv(K, block_k), quantized is not None)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
-    # A split matmul's sums, each program's [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
-    partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device) \
-        if splits > 1 else out
+    partials = counters = out  # unused pointers without a split
+    if splits > 1:  # each program's sums [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
+        partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
     _rows_matmul_kernel[(tiles, splits)](
-        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, partials,
-        _split_counters(x.device) if splits > 1 else out, M, N_out, K, rows.stride(0),
+        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, partials, counters,
+        M, N_out, K, rows.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),

@@ -189,7 +189,7 @@ def _dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
 
 def _bf16_slowdown() -> float:
     """How many times longer a bf16 matmul takes than an fp32 one on this CPU (best of 3 each, 0.1 s or so): a CPU
-    without bf16 instructions takes about 50 times longer (docs/results.md)."""
+    without bf16 instructions takes 50-60 times longer (54x and 59.8x measured, docs/results.md)."""
     def seconds(dtype):
         a = torch.ones(256, 256, dtype=dtype)
         times = []
