@@ -466,9 +466,10 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
     else:
         tile_sums = partials_ptr + (m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])  # [BLOCK_M, BLOCK_N]
         size = 2 * BLOCK_M * BLOCK_N  # one program's sums
-        tl.store(tile_sums + (split * tl.num_programs(0) + tile) * size, acc)
+        own = tile_sums + (split * tl.num_programs(0) + tile) * size  # this program's sums
+        tl.store(own, acc)
         if SILU_MUL:
-            tl.store(tile_sums + (split * tl.num_programs(0) + tile) * size + BLOCK_M * BLOCK_N, acc_up)
+            tl.store(own + BLOCK_M * BLOCK_N, acc_up)
         tl.debug_barrier()  # every thread's sums written before the count that releases them
         if tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
