@@ -372,6 +372,7 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     partials = counters = out  # unused pointers without a split
     if splits > 1:  # each program's sums [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
+        assert tiles <= SPLIT_MAX_TILES, f"{tiles} tiles split, for {SPLIT_MAX_TILES} counters"
         partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     _rows_matmul_kernel[(tiles, splits)](
@@ -395,7 +396,7 @@ def reads_fp8_rows(M: int, N: int, K: int) -> bool:
     return M <= ROWS_FP8_MAX and N * K >= ROWS_FP8_MIN_WEIGHT
 
 
-SPLIT_MAX_TILES = 4096  # the arrival counters' length: tiles of a split matmul
+SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_splits` splits
 
 
 def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
@@ -404,8 +405,6 @@ def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     8B head's q/k/v, o, down and fc, 4 and 8 rows: 18-29% faster), two on up to 512 (its gate/up, 10%). In bf16
     only a long K over few tiles gains (SmolLM2's down, 576 x 1536: 2.9 against 4.4 µs with six); elsewhere the
     sums' round trip costs more than the extra programs give."""
-    if tiles > SPLIT_MAX_TILES:
-        return 1
     if float8:
         splits = max(1, min(4, 1024 // tiles, chunks))
     else:

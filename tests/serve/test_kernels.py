@@ -686,6 +686,19 @@ def test_fused_linear_fp8_interpreter(interpreter, case):
     interpreter(check_fused_linear, "cpu", torch.float16, *case, True)
 
 
+def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
+    """Every split tile has an arrival counter, and each of a tile's programs sums at least one chunk of K: the K
+    runs are equal whole chunks, the last possibly shorter."""
+    for float8 in (False, True):
+        for tiles in range(1, 1100):
+            for chunks in (1, 2, 3, 7, 8, 12, 16, 33, 64, 256):
+                splits = kernels.rows_splits(tiles, chunks, float8)
+                assert 1 <= splits <= chunks
+                assert splits == 1 or tiles <= kernels.SPLIT_MAX_TILES
+                run = -(-chunks // splits)
+                assert (splits - 1) * run < chunks  # the last program's run is not empty
+
+
 ROTARY_CPU = [(1, 1, 9, 3, 64, False), (2, 5, 4, 2, 128, True), (2, 3, 3, 1, 80, False)]  # B, T, Hq, Hkv, D, strided
 
 
