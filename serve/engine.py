@@ -108,7 +108,7 @@ class Request:
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    # Speculative statistics: one entry per verification, the draft tokens it accepted.
+    # Speculative statistics: one entry per verification of a drafted tree, the draft tokens it accepted.
     accepted: list[int] = field(default_factory=list)
     # Engine state.
     blocks: list[int] = field(default_factory=list)
@@ -604,7 +604,8 @@ class Engine:
             request.cached += m + 1
             if states is not None:
                 request.draft = states[b]
-                request.accepted.append(m)
+                if step.advance > 1:  # it verified a drafted tree (a plain step, "off" at its batch size, drafts none)
+                    request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
 
     def _follow_path(self, T: int, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,

@@ -1,6 +1,7 @@
 """The engine: speculative greedy output equals target-only greedy output token for token; blocks are
 returned; preemption and aborts never lose or corrupt a request."""
 
+import collections
 import copy
 import dataclasses
 
@@ -172,7 +173,8 @@ def test_drafted_tree_equals_uncached_drafting_cuda(target, shape, decode_steps)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_settings_by_batch_size(target, graphs, monkeypatch):
     """Autotuned settings: as requests finish the batch shrinks 3 -> 2 -> 1 and each step drafts the tree of
-    its batch size, or none (the draft still follows the accepted tokens); the output stays the target's."""
+    its batch size, or none (the draft still follows the accepted tokens); the output stays the target's, and a
+    request's speculative statistics count the steps that verified a drafted tree for it, not the plain ones."""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     ps = prompts(3, target.config.vocab_size, seed=5)
     lengths = [8, 16, 28]
@@ -182,11 +184,21 @@ def test_settings_by_batch_size(target, graphs, monkeypatch):
     draft_tree = engine.drafter.draft_tree
     monkeypatch.setattr(engine.drafter, "draft_tree", lambda shape, *rest: (
         drafted.append((shape, len(engine.running))), draft_tree(shape, *rest))[1])
+    verified = collections.Counter()  # request -> drafting steps that handed it tokens
+    finish_decode = engine._finish_decode
+
+    def counting(step):
+        handed = [r for r in step.requests if not r.finished]
+        finish_decode(step)
+        verified.update(id(r) for r in handed if step.advance > 1)
+
+    monkeypatch.setattr(engine, "_finish_decode", counting)
     requests = [engine.add_request(p, GREEDY, n) for p, n in zip(ps, lengths, strict=True)]
     while engine.has_work():
         engine.step()
     assert [r.output for r in requests] == [list(greedy_tokens(target, p, n)) for p, n in zip(ps, lengths, strict=True)]
     assert set(drafted) == {(SHAPES["tree"], 3), (SHAPES["chain"], 1)}
+    assert [len(r.accepted) for r in requests] == [verified[id(r)] for r in requests]
     assert engine.decode_steps > len(drafted)  # the steps at batch size 2 drafted nothing
     assert engine.reserve == 1 + SHAPES["tree"].num_draft_tokens
 
