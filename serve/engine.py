@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import sys
 import time
 from collections import defaultdict, deque
@@ -101,13 +100,12 @@ class EngineConfig:
 
 @dataclass(eq=False)
 class Request:
-    id: int
     prompt: list[int]
     params: SamplingParams
     max_new_tokens: int
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (the worker's, when a step failed)
     # Speculative statistics: one entry per verification of a drafted tree, the draft tokens it accepted.
     accepted: list[int] = field(default_factory=list)
     # Engine state.
@@ -226,7 +224,6 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.in_flight: DecodeStep | None = None  # a decode step queued on the device, its tokens not yet handed out
-        self._ids = itertools.count()
         # While `profile` (from the config; a benchmark may switch it): seconds per phase (prefill, and each decode
         # step's draft, verify and accept, within its whole "decode") and the decode step count.
         self.profile = self.config.profile
@@ -263,7 +260,7 @@ class Engine:
             raise PromptTooLong(
                 f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
             )
-        request = Request(next(self._ids), list(prompt), params, max_new_tokens, frozenset(stop_ids))
+        request = Request(list(prompt), params, max_new_tokens, frozenset(stop_ids))
         request.generator = make_generator(params, self.device)
         self.waiting.append(request)
         return request
