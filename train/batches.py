@@ -32,6 +32,11 @@ class Batches(Sequence):
     def __len__(self) -> int:
         return len(self.groups)
 
+    @property
+    def micro_batch_size(self) -> int:
+        """The most rows a micro-batch holds (groups are shuffled, and one may be short)."""
+        return max(map(len, self.groups))
+
     def __getitem__(self, i: int) -> Batch:
         return collate_hidden_states([self.rows[j] for j in self.groups[i]], self.pad_multiple)
 

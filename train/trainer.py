@@ -294,7 +294,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     optimizer, schedule = build_optimizer(recipe, module)
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=schedule,
-        config=deepspeed_config(recipe, len(batches.groups[0]), bf16=dtype == torch.bfloat16),
+        config=deepspeed_config(recipe, batches.micro_batch_size, bf16=dtype == torch.bfloat16),
     )
 
     step, position = 0, 0

@@ -19,7 +19,7 @@ import yaml
 from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.data.vocab import draft_vocab, token_counts
-from eyas.train.batches import micro_batches
+from eyas.train.batches import Batches, micro_batches
 from eyas.train.config import recipe_from_dict
 from eyas.train.data import length_groups, load_data, load_rows, repeated_token_counts
 from eyas.train.target import build_random_target
@@ -180,6 +180,13 @@ def test_length_groups_sort_within_windows():
     groups = length_groups(lengths, batch_size=2, bucket=4, rng=random.Random(0))
     assert sorted(i for g in groups for i in g) == list(range(8))
     assert all(lengths[a] <= lengths[b] for a, b in groups)
+
+
+def test_micro_batch_size_is_the_largest_group():
+    """What DeepSpeed is told a micro-batch holds: the full groups' size, though shuffling put the short one first."""
+    groups = length_groups([5, 1, 9, 3, 7], batch_size=2, bucket=4, rng=random.Random(5))
+    assert [len(g) for g in groups] == [1, 2, 2]
+    assert Batches([], groups).micro_batch_size == 2
 
 
 def test_micro_batches_resume_in_place():
