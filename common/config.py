@@ -168,6 +168,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
 }
+# Each family's causal LM in transformers: the class a checkpoint without config.json (a GGUF file) stands for.
+_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,11 @@ class TargetConfig:
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def causal_lm_class(self) -> str:
+        """This family's causal LM class in transformers (`LlamaForCausalLM`, `Qwen2ForCausalLM`, ...)."""
+        return _CAUSAL_LM_CLASSES[self.model_type]
 
     @property
     def default_aux_layers(self) -> tuple[int, int, int]:

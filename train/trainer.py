@@ -172,11 +172,13 @@ def _atomic_export(path: Path, write) -> None:
     checkpoint.durable_replace(tmp, path)
 
 
-def _verifier_architectures(cfg: ModelConfig) -> list[str]:
+def _verifier_architectures(cfg: ModelConfig, target: TargetConfig) -> list[str]:
+    """The target's classes as its config.json names them; without one (a .gguf file, a random target), its
+    family's causal LM."""
     config = resolve_target(cfg.target) / "config.json" if cfg.target else None
-    if config is None or not config.is_file():  # a random target or a .gguf file
-        return ["LlamaForCausalLM"]
-    return read_json(config).get("architectures", ["LlamaForCausalLM"])
+    if config is None or not config.is_file():
+        return [target.causal_lm_class]
+    return read_json(config).get("architectures", [target.causal_lm_class])
 
 
 def _dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -396,7 +398,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
             _atomic_export(final, functools.partial(_write_final, head, final_eval))
             _atomic_export(output / "final-speculators", lambda p: export_speculators(
                 head, p, verifier=recipe.model.target or "random-target",
-                verifier_architectures=_verifier_architectures(recipe.model), speculative_tokens=steps,
+                verifier_architectures=_verifier_architectures(recipe.model, target.config), speculative_tokens=steps,
             ))
     if world_size > 1:
         dist.barrier()

@@ -3,6 +3,7 @@ that loads; a run stopped mid-way, killed with SIGKILL (training online or from 
 SIGTERM (which checkpoints the step it was on), resumes to bit-identical weights and metrics; ZeRO-3 trains, resumes
 and exports as ZeRO-1 does; the loss falls on an overfit."""
 
+import json
 import os
 import shutil
 import signal
@@ -15,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.common.config import ConfigError
+from eyas.common.config import ConfigError, TargetConfig
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.train import checkpoint, trainer
 from eyas.train import data as train_data
-from eyas.train.config import load_recipe
+from eyas.train.config import ModelConfig, load_recipe
 from eyas.train.optim import deepspeed_config, lr_factor
 from eyas.train.target import build_random_target
 from eyas.train.trainer import StopSignal, dump, train
@@ -122,6 +123,23 @@ def test_init_from_refuses_a_head_of_another_shape(full_run, tmp_path):
     recipe = load_recipe("ci-tiny", QUIET + [f"model.init_from={run / 'final'}", "model.draft_vocab_size=100"])
     with pytest.raises(ConfigError, match=r"model.init_from .*draft_vocab_size \d+ \(recipe: 100\)"):
         train(recipe, tmp_path)
+
+
+def test_the_speculators_verifier_is_the_target_s_class(tmp_path):
+    """A HF directory names its classes in config.json; a GGUF file has none, so its family's class stands in (the
+    packaged Qwen2 GGUF is not a Llama)."""
+    fields = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 64}
+    qwen2 = TargetConfig.from_hf({"model_type": "qwen2", **fields})
+    gguf = tmp_path / "coder.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert trainer._verifier_architectures(ModelConfig(target=str(gguf)), qwen2) == ["Qwen2ForCausalLM"]
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2Custom"], **fields}))
+    assert trainer._verifier_architectures(ModelConfig(target=str(folder)), qwen2) == ["Qwen2Custom"]
+    llama = TargetConfig.from_hf({"model_type": "llama", **fields})
+    assert trainer._verifier_architectures(ModelConfig(random_arch="tiny"), llama) == ["LlamaForCausalLM"]
 
 
 def test_deepspeed_extra_merges_into_sections():
