@@ -1,8 +1,9 @@
 """Attention metadata: how a layer's new queries, keys and values become its attention output.
 
 The model never branches on training vs. serving: it hands q/k/v to the metadata object it was
-given. Training passes `CausalAttention`; serving passes a KV-cache backend (in `eyas.serve`),
-which stores k/v in cache slots and attends under a tree mask. Tests pass `MaskedAttention`.
+given. The trainer's target pass takes `CausalAttention` and the head's training-time test its
+`TTTAttention` (`eyas.train.ttt`); serving passes a KV-cache backend (in `eyas.serve`), which stores k/v in cache
+slots and attends under a tree mask. Tests pass `MaskedAttention`.
 
 Shapes everywhere: q [B, T, Hq, D], k and v [B, T, Hkv, D] for the T new tokens of each of B rows;
 the result is [B, T, Hq, D]. Hq is a multiple of Hkv (grouped-query attention).

@@ -41,16 +41,16 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
-def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str, allow_unknown: bool = False):
+def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str):
     """Builds dataclass `cls` from `values`, checking each field's type against its annotation.
 
-    `source` names where the values came from (a file, a recipe key) for error messages.
-    Unknown keys are errors unless `allow_unknown` (HF config.json files carry many fields we ignore).
+    `source` names where the values came from (a file, a recipe key) for error messages. Unknown keys are errors
+    (readers of HF config.json files pick their fields first: `read_layer_fields`).
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
-    if unknown and not allow_unknown:
+    if unknown:
         raise ConfigError(f"{source}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
     kwargs = {}
     for name, f in fields.items():

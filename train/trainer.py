@@ -257,8 +257,9 @@ STEP_RANGE = "eyas.train_step"
 
 
 def _data_order(recipe: TrainRecipe, world_size: int) -> dict:
-    """The settings that decide which rows a run's data position means: its data (but the worker count and cache
-    directory), seed, gradient accumulation and world size."""
+    """The settings a checkpoint's data position and step count depend on: its data (but the worker count and cache
+    directory), seed and world size decide which rows a position means; gradient accumulation, how many positions a
+    step took."""
     data = {f"data.{key}": value for key, value in recipe.to_dict()["data"].items()
             if key not in ("num_proc", "cache_dir")}
     return data | {"seed": recipe.seed, "optim.grad_accum": recipe.optim.grad_accum, "world_size": world_size}
