@@ -320,6 +320,27 @@ def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
 
 
+def test_client_gone_before_its_stream_starts_aborts(server, monkeypatch):
+    """A client that leaves before its stream's first event (here while its request is being queued) has its
+    request aborted too: the stream starts on a connection already closed, and its cancellation aborts."""
+    aborted = server.metric("eyas_requests_finished_total", reason="abort")
+    queued, submit = threading.Event(), server.worker.submit
+
+    async def slow_submit(*args, **kwargs):
+        stream = await submit(*args, **kwargs)
+        await asyncio.to_thread(queued.wait, 10)
+        return stream
+
+    monkeypatch.setattr(server.worker, "submit", slow_submit)
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0, "stream": True}
+    with decoding_held(server, monkeypatch):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up before the response starts, and leaves
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+        queued.set()
+    server.wait_idle()
+    assert server.metric("eyas_requests_finished_total", reason="abort") == aborted + 1
+
+
 def test_client_disconnect_without_streaming_aborts(server, monkeypatch):
     aborted = server.metric("eyas_requests_finished_total", reason="abort")
     body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0}
