@@ -1,7 +1,7 @@
 """Attention metadata: how a layer's new queries, keys and values become its attention output.
 
 The model never branches on training vs. serving: it hands q/k/v to the metadata object it was
-given. The trainer's target pass takes `CausalAttention` and the head's training-time test its
+given. In training the target's pass takes `CausalAttention`, and the head's unrolled passes (training-time test)
 `TTTAttention` (`eyas.train.ttt`); serving passes a KV-cache backend (in `eyas.serve`), which stores k/v in cache
 slots and attends under a tree mask. Tests pass `MaskedAttention`.
 
