@@ -168,9 +168,6 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
 }
-# Each family's causal LM in transformers: the class a checkpoint without config.json (a GGUF file) stands for.
-_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -203,8 +200,9 @@ class TargetConfig:
 
     @property
     def causal_lm_class(self) -> str:
-        """This family's causal LM class in transformers (`LlamaForCausalLM`, `Qwen2ForCausalLM`, ...)."""
-        return _CAUSAL_LM_CLASSES[self.model_type]
+        """This family's causal LM class in transformers, named after its model_type (`LlamaForCausalLM`,
+        `Qwen2ForCausalLM`, ...): what a checkpoint without config.json (a GGUF file) stands for."""
+        return f"{self.model_type.capitalize()}ForCausalLM"
 
     @property
     def default_aux_layers(self) -> tuple[int, int, int]:

@@ -176,9 +176,8 @@ def _verifier_architectures(cfg: ModelConfig, target: TargetConfig) -> list[str]
     """The target's classes as its config.json names them; without one (a .gguf file, a random target), its
     family's causal LM."""
     config = resolve_target(cfg.target) / "config.json" if cfg.target else None
-    if config is None or not config.is_file():
-        return [target.causal_lm_class]
-    return read_json(config).get("architectures", [target.causal_lm_class])
+    named = read_json(config).get("architectures") if config is not None and config.is_file() else None
+    return named or [target.causal_lm_class]
 
 
 def _dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:

@@ -44,6 +44,16 @@ def test_sliding_window_caps_the_context_only_where_used(family, switch, context
     assert uses == (context == 1024)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_causal_lm_class_is_the_one_transformers_maps_the_family_to(family):
+    """The class named after model_type (what a GGUF target's speculators export names as verifier) is the one
+    transformers builds for it: a family whose class is named otherwise fails here."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg = TargetConfig.from_hf(hf_config_dict(family), source="config.json")
+    assert cfg.causal_lm_class == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+
+
 @pytest.mark.parametrize("layers, ok", [(2, False), (3, True)])
 def test_default_aux_layers_need_three_target_layers(layers, ok):
     from eyas.common.eagle3 import Eagle3Config
