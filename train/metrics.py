@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    def __init__(self, path: Path, cfg: LoggingConfig, run_config: dict, resume_step: int):
+    def __init__(self, path: Path, cfg: LoggingConfig, run_config: dict, resume_step: int, final_step: int):
         self.path = path
         if path.exists():
-            self._keep_until(resume_step)
+            self._keep_until(resume_step, final_step)
         self.wandb = None
         if cfg.wandb_project is not None:
             import wandb
@@ -35,18 +35,21 @@ class MetricsLog:
                 dir=str(path.parent), resume="allow",
             )
 
-    def _keep_until(self, resume_step: int) -> None:
+    def _keep_until(self, resume_step: int, final_step: int) -> None:
         """A resumed run repeats the steps after its checkpoint (all of them, the step-0 evaluation included, when it
-        starts afresh): their old lines go. A line cut short by a crash goes too. Rewritten whole, then renamed: a
+        starts afresh) and the evaluation that ends a run (at `final_step`, the only one there; a finished run run
+        again redoes it): their old lines go. A line cut short by a crash goes too. Rewritten whole, then renamed: a
         crash meanwhile leaves the old file."""
         kept = []
         for number, line in enumerate(self.path.read_text().splitlines(), start=1):
             try:
-                step = json.loads(line)["step"]
+                record = json.loads(line)
+                step, split = record["step"], record["split"]
             except (ValueError, KeyError, TypeError):
                 log.warning("%s, line %d: not a metrics record (cut short by a crash?), dropped", self.path, number)
                 continue
-            if resume_step > 0 and step <= resume_step:
+            repeated = resume_step == 0 or step > resume_step or (step == final_step and split == "eval")
+            if not repeated:
                 kept.append(line + "\n")
         partial = self.path.with_name(self.path.name + ".partial")
         partial.write_text("".join(kept))

@@ -306,7 +306,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         (output / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        log = MetricsLog(output / "metrics.jsonl", recipe.logging, recipe.to_dict(), resume_step=step)
+        log = MetricsLog(output / "metrics.jsonl", recipe.logging, recipe.to_dict(), resume_step=step,
+                         final_step=recipe.optim.total_steps)
 
     def run_eval() -> dict:
         result = {"step": step, "split": "eval"} | evaluate(engine.module, target, eval_batches, aux_layers, rank,

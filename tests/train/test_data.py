@@ -222,6 +222,19 @@ def test_trainer_on_real_data(real_values, real_run):
     assert head.config.vocab_size == head.config.draft_vocab_size == 49152
 
 
+def test_a_finished_run_run_again_logs_its_evaluations_once(real_values, tmp_path):
+    """Run again, a finished run resumes at its last step's checkpoint and only evaluates and exports again: its
+    metrics read as before, the final evaluation once."""
+    values = copy.deepcopy(real_values)
+    values["checkpoint"] = {"every": 4}
+    recipe = recipe_from_dict(values)
+    assert train(recipe, tmp_path) == tmp_path / "final"
+    first = metrics(tmp_path)
+    assert train(recipe, tmp_path) == tmp_path / "final"
+    assert metrics(tmp_path) == first
+    assert [r["step"] for r in first if r["split"] == "eval"] == [0, 2, 4]
+
+
 def test_offline_on_real_data(real_values, real_run, tmp_path):
     """Trained from dumped hidden states, the same split and batches: the online run's train and eval records."""
     values = copy.deepcopy(real_values)

@@ -1,4 +1,5 @@
-"""metrics.jsonl on resume: the lines of the steps a resumed run repeats go, and so does a line a crash cut short."""
+"""metrics.jsonl on resume: the lines of the steps and the evaluation a resumed run repeats go, and so does a line a
+crash cut short."""
 
 import json
 import logging
@@ -16,7 +17,7 @@ def test_resume_keeps_the_lines_up_to_its_checkpoint(tmp_path, caplog):
     records = [{"step": 0, "split": "eval"}, {"step": 1, "split": "train"}, {"step": 2, "split": "train"},
                {"step": 2, "split": "eval"}, {"step": 3, "split": "train"}]
     write(path, records, torn='{"step": 4, "spl')
-    MetricsLog(path, LoggingConfig(), {}, resume_step=2).log({"step": 3, "split": "train", "acc": []})
+    MetricsLog(path, LoggingConfig(), {}, resume_step=2, final_step=4).log({"step": 3, "split": "train", "acc": []})
     assert [json.loads(line) for line in path.read_text().splitlines()] == records[:4] + [
         {"step": 3, "split": "train", "acc": []}]
     assert "metrics.jsonl, line 6: not a metrics record" in caplog.text and not list(tmp_path.glob("*.partial"))
@@ -27,5 +28,16 @@ def test_a_fresh_start_drops_every_line(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     write(path, [{"step": 0, "split": "eval"}, {"step": 1, "split": "train"}])
     with caplog.at_level(logging.WARNING):
-        MetricsLog(path, LoggingConfig(), {}, resume_step=0)
+        MetricsLog(path, LoggingConfig(), {}, resume_step=0, final_step=4)
     assert path.read_text() == "" and not caplog.text
+
+
+def test_a_finished_run_run_again_drops_its_final_evaluation(tmp_path):
+    """Resumed at its last step, a run only evaluates and exports again: its final evaluation's line is replaced, not
+    repeated; the train line of that step stays."""
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 0, "split": "eval"}, {"step": 1, "split": "train"}, {"step": 2, "split": "train"},
+               {"step": 2, "split": "eval"}]
+    write(path, records)
+    MetricsLog(path, LoggingConfig(), {}, resume_step=2, final_step=2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
