@@ -16,6 +16,7 @@ JSON) is skipped and counted with its file and place; `strict=True` raises `Conv
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ class ReadReport:
     """What reading one file found: filled in while `read_conversations` iterates."""
 
     path: str = ""
-    records: int = 0  # complete records parsed (good or bad)
+    records: int = 0  # complete records read (good or bad, malformed JSON included)
     conversations: int = 0  # yielded
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (place, reason), e.g. ("record 12", "...")
     truncated: bool = False  # the file ended inside a record (a cut download or a deliberately short copy)
@@ -85,25 +86,25 @@ def read_conversations(
     with open(path, "rb") as f:
         data = f.read(max_bytes if max_bytes is not None else -1)
         cut = bool(f.read(1))  # the read stopped inside the file
-    # A read cut at max_bytes may split a multi-byte character: drop the partial one.
-    text = data.decode("utf-8", errors="ignore" if max_bytes is not None else "strict")
+    # A read cut at max_bytes may split a multi-byte character: drop the partial one. A byte-order mark is not data.
+    text = data.decode("utf-8-sig", errors="ignore" if max_bytes is not None else "strict")
 
     def bad(place: str, reason: str) -> None:
         if strict:
             raise ConversationError(f"{path}: {place}: {reason}")
         report.skipped.append((place, reason))
 
-    records = _json_array(text) if text.lstrip().startswith("[") else _json_lines(text, cut)
+    records = _json_array(text, cut) if text.lstrip().startswith("[") else _json_lines(text, cut)
     for place, record in records:
-        if record is None:  # the file ended inside a record
+        if record is _CUT:
             report.truncated = True
             if strict:
                 raise ConversationError(f"{path}: {place}: file ended mid-record")
             break
-        if isinstance(record, json.JSONDecodeError):
-            bad(place, f"malformed JSON: {record}")
-            continue
         report.records += 1
+        if isinstance(record, _MalformedJSON):
+            bad(place, str(record))
+            continue
         try:
             messages = normalize(record, format)
         except ValueError as e:
@@ -114,16 +115,24 @@ def read_conversations(
     (logger.warning if report.skipped or report.truncated else logger.info)(report.summary())
 
 
-def _json_array(text: str) -> Iterator[tuple[str, object]]:
+_CUT = object()  # in place of a record: the file (or the part read) ended inside it
+
+
+class _MalformedJSON(ValueError):
+    """In place of a record: its text is not JSON."""
+
+
+def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
     """(place, record) for each element of a JSON array, parsed one at a time so that a file cut inside
-    a record still yields every complete record before the cut; the cut yields (place, None)."""
+    a record still yields every complete record before the cut; the cut yields (place, _CUT). With `cut` (the text
+    stops inside the file) a record that does not parse is the one the cut split."""
     decoder = json.JSONDecoder()
     i, index = text.index("[") + 1, 0
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
         if i == len(text):  # ended between records, before the closing bracket
-            yield f"record {index}", None
+            yield f"record {index}", _CUT
             return
         if text[i] == "]":
             return
@@ -132,34 +141,36 @@ def _json_array(text: str) -> Iterator[tuple[str, object]]:
         except json.JSONDecodeError as e:
             # An array that never closes was cut off; anything else is broken JSON that we cannot
             # resynchronise within (an element's end is unknown), so it ends the file as an error.
-            if not text.rstrip().endswith("]"):
-                yield f"record {index}", None
+            if cut or not text.rstrip().endswith("]"):
+                yield f"record {index}", _CUT
             else:
-                yield f"record {index}", e
+                yield f"record {index}", _MalformedJSON(
+                    f"malformed JSON: {e}; the records after it (from character {e.pos}) cannot be read")
             return
         yield f"record {index}", record
         index += 1
 
 
 def _json_lines(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
-    """(place, record) for each non-blank line; a malformed line yields its JSONDecodeError. With `cut` (the text
-    stops inside the file), a last line without its newline is the record the cut split: (place, None)."""
-    lines = text.splitlines(keepends=True)
+    """(place, record) for each non-blank line; a malformed line yields a _MalformedJSON. With `cut` (the text
+    stops inside the file), a last line without its newline is the record the cut split: (place, _CUT)."""
+    # Lines end at \n, \r\n or \r only: JSON strings may hold U+2028, U+0085 ..., which `splitlines` would split at.
+    lines = io.StringIO(text, newline="").readlines()
     for number, line in enumerate(lines, start=1):
-        if cut and number == len(lines) and not line.endswith("\n"):
-            yield f"line {number}", None
+        if cut and number == len(lines) and not line.endswith(("\n", "\r")):
+            yield f"line {number}", _CUT
             return
         if line.strip():
             try:
                 yield f"line {number}", json.loads(line)
             except json.JSONDecodeError as e:
-                yield f"line {number}", e
+                yield f"line {number}", _MalformedJSON(f"malformed JSON: {e}")
 
 
 def read_json_lines(path: Path) -> Iterator[tuple[str, dict]]:
     """(place, record) for each non-blank line of a JSONL file of objects; a line that is not one raises a
     ValueError naming the file and the line."""
-    for place, record in _json_lines(path.read_text()):
+    for place, record in _json_lines(path.read_text(encoding="utf-8-sig")):
         if not isinstance(record, dict):
             what = record if isinstance(record, Exception) else f"expected a JSON object, got {type(record).__name__}"
             raise ValueError(f"{path}, {place}: {what}")

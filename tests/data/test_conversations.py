@@ -109,6 +109,47 @@ def test_jsonl_cut_by_max_bytes(tmp_path):
     assert len(convs) == 1 and not report.truncated and not report.skipped
 
 
+def test_null_records_are_bad_records_not_the_end_of_the_file(tmp_path):
+    good = {"messages": CHAT}
+    for name, text in {"a.json": json.dumps([good, None, good]), "a.jsonl": f"{json.dumps(good)}\nnull\n"
+                       f"{json.dumps(good)}\n"}.items():
+        convs, report = read(write(tmp_path / name, text))
+        assert len(convs) == 2 and not report.truncated and report.records == 3, name
+        place = "record 1" if name == "a.json" else "line 2"
+        assert report.skipped == [(place, "expected a JSON object, got NoneType")]
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (`ensure_ascii=False` writes them so): a record
+    holding them is one line, and the lines after it keep their numbers."""
+    odd = [{"role": "user", "content": "a\u2028b\u2029c\x85d"}, {"role": "assistant", "content": "e"}]
+    lines = [json.dumps({"messages": odd}, ensure_ascii=False), "{not json", json.dumps({"messages": CHAT})]
+    convs, report = read(write(tmp_path / "odd.jsonl", "\r\n".join(lines) + "\r\n"))
+    assert convs == [odd, CHAT] and report.records == 3 and [p for p, _ in report.skipped] == ["line 2"]
+
+
+def test_a_byte_order_mark_is_not_data(tmp_path):
+    files = {"bom.json": json.dumps([{"messages": CHAT}]), "bom.jsonl": json.dumps({"messages": CHAT})}
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        convs, report = read(tmp_path / name)
+        assert convs == [CHAT] and not report.skipped, name
+
+
+def test_broken_json_in_a_closed_array_says_the_rest_is_unread(tmp_path):
+    good = json.dumps({"messages": CHAT})
+    convs, report = read(write(tmp_path / "broken.json", f'[{good}, {{"messages": ::}}, {good}]'))
+    assert len(convs) == 1 and not report.truncated
+    assert report.skipped[0][0] == "record 1" and "the records after it" in report.skipped[0][1]
+
+
+def test_json_array_cut_by_max_bytes_after_an_inner_bracket(tmp_path):
+    """A read cut right after a record's inner `]` (its turns' list) is a cut, not broken JSON."""
+    text = json.dumps([{"messages": CHAT}] * 3)
+    convs, report = read(write(tmp_path / "a.json", text), max_bytes=text.index("]") + 1)
+    assert convs == [] and report.truncated and not report.skipped
+
+
 def test_packaged_sharegpt_is_truncated():
     convs, report = read(asset_path("sharegpt"))
     assert report.truncated and report.records == 17671  # the asset's documented count
