@@ -15,8 +15,9 @@ Layout of the output directory; conversation i is the i-th row of the dumped dat
     shard_00000.safetensors   conversations 0..n0-1, keys `{i}.input_ids` int32 [T], `{i}.loss_mask` uint8 [T],
     shard_00001.safetensors   `{i}.aux` [T, 3·H] and `{i}.hidden` [T, H] (or `{i}.logits` [T, V]), target dtype
     ...
-    index.json                metadata (target, aux_layers, dtype, store) + shards [{file, lengths}], in order:
-                              shard k holds the len(lengths) conversations following those of shards 0..k-1
+    index.json                metadata (target, aux_layers, dtype, store) + shards [{file, lengths, digest}], in
+                              order: shard k holds the len(lengths) conversations following those of shards
+                              0..k-1; `digest` hashes their input_ids and loss_mask (`rows_digest`)
 
 Size per token, Llama-3.1-8B in bf16: aux 3·4096·2 = 24576 B + hidden 4096·2 = 8192 B + ids/mask 5 B ≈ 32 KiB
 (1M tokens ≈ 33 GB); store="logits" would put 128256·2 = 250 KiB in place of the hidden state's 8 KiB.
@@ -29,7 +30,7 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -72,6 +73,29 @@ def _read_index(path: Path) -> dict:
     return json.loads((path / INDEX).read_text())
 
 
+def rows_digest(rows: Iterable[dict]) -> str:
+    """A hash of the rows' input_ids and loss_mask (16 hex digits): which conversations a shard holds."""
+    h = hashlib.sha256()
+    for row in rows:
+        for key in ("input_ids", "loss_mask"):
+            values = torch.as_tensor(row[key]).to(torch.int32)
+            h.update(len(values).to_bytes(8, "little") + values.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_rows(path: Path, shards: list[dict], rows: Iterable[dict]) -> Iterator[dict]:
+    """Refuses (ValueError) `rows` whose first ones are not the conversations `shards` hold, compared shard by
+    shard; returns the iterator of the rows after them."""
+    rows, start = iter(rows), 0
+    for shard in shards:
+        n = len(shard["lengths"])
+        if rows_digest(itertools.islice(rows, n)) != shard["digest"]:
+            raise ValueError(f"{path}: {shard['file']} holds other conversations than rows {start}..{start + n - 1} "
+                             "of this data; dump this data into another directory")
+        start += n
+    return rows
+
+
 def _check(path: Path, index: dict, expected: dict) -> None:
     for key, want in expected.items():
         if index[key] != want:
@@ -93,7 +117,8 @@ def dump_hidden_states(
     """Runs `target` once per row ({"input_ids", "loss_mask"} int lists or tensors [T], e.g. `build_dataset`'s)
     and writes the shards and index described in the module docstring. A shard is closed once its tensors reach
     `shard_size_mb`. Resumable: conversations in the shards already listed in the index (up to the first missing
-    file) are skipped; each shard is written to a temp name and renamed, then the index is rewritten atomically."""
+    file) are skipped, once their rows are checked to be these rows' first ones; each shard is written to a temp name
+    and renamed, then the index is rewritten atomically."""
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     out_dir = Path(out_dir)
@@ -106,12 +131,13 @@ def dump_hidden_states(
     else:
         index = {**meta, "shards": []}
     done = sum(len(s["lengths"]) for s in index["shards"])
+    todo = check_rows(out_dir, index["shards"], rows)  # the rows after the dumped ones
 
     device = target.embed_tokens.weight.device
     bar = tqdm(total=len(rows) if hasattr(rows, "__len__") else None, initial=done, desc="hidden states",
                unit="conv")
     tensors, lengths, size = {}, [], 0
-    for i, row in enumerate(itertools.islice(rows, done, None), start=done):
+    for i, row in enumerate(todo, start=done):
         input_ids = torch.as_tensor(row["input_ids"], device=device)[None]  # [1, T]
         T = input_ids.shape[1]
         out = target(input_ids, torch.arange(T, device=device)[None], CausalAttention(), aux_layers=aux_layers)
@@ -135,10 +161,14 @@ def dump_hidden_states(
 
 
 def _write_shard(out_dir: Path, index: dict, tensors: dict[str, Tensor], lengths: list[int]) -> None:
+    """Writes conversations first .. first + len(lengths) - 1 (first: the count in the shards before)."""
     name = f"shard_{len(index['shards']):05d}.safetensors"
     save_file(tensors, out_dir / f".{name}.tmp")
     os.replace(out_dir / f".{name}.tmp", out_dir / name)
-    index["shards"].append({"file": name, "lengths": lengths})
+    first = sum(len(s["lengths"]) for s in index["shards"])
+    digest = rows_digest({key: tensors[f"{i}.{key}"] for key in ("input_ids", "loss_mask")}
+                         for i in range(first, first + len(lengths)))
+    index["shards"].append({"file": name, "lengths": lengths, "digest": digest})
     (out_dir / f".{INDEX}.tmp").write_text(json.dumps(index, indent=1))
     os.replace(out_dir / f".{INDEX}.tmp", out_dir / INDEX)
 
@@ -154,6 +184,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         index = _read_index(self.path)
         _check(self.path, index, {"target": target_fingerprint(target), "aux_layers": list(aux_layers)})
         self.store = index["store"]  # "hidden" or "logits": the key of the last tensor of each row
+        self.shards = index["shards"]  # [{file, lengths, digest}] (module docstring)
         self.files = [s["file"] for s in index["shards"]]
         self.shard_of = [k for k, s in enumerate(index["shards"]) for _ in s["lengths"]]  # conversation -> shard
         self.lengths = [n for s in index["shards"] for n in s["lengths"]]  # conversation -> T

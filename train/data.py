@@ -31,7 +31,7 @@ from eyas.common.assets import resolve_asset, resolve_target
 from eyas.common.config import ConfigError
 from eyas.common.hot_vocab import HotVocab
 from eyas.data.dataset import build_dataset
-from eyas.data.hidden_states import HiddenStateDataset
+from eyas.data.hidden_states import HiddenStateDataset, check_rows
 from eyas.data.tokenizer import load_tokenizer
 from eyas.data.vocab import draft_vocab, token_counts
 
@@ -115,7 +115,7 @@ def load_data(
     states: HiddenStateDataset | None = None,
 ) -> TrainData:
     """Splits and batches `rows` (`load_rows`); with `states` (the target's hidden states dumped for these rows,
-    checked to hold as many rows of the same lengths), the micro-batches are collated from them instead."""
+    checked to hold these rows), the micro-batches are collated from them instead."""
     lengths = [len(ids) for b in rows.select_columns("input_ids").iter(1000) for ids in b["input_ids"]]
     if states is not None and states.lengths != lengths:
         if states.lengths == lengths[: len(states)]:
@@ -123,6 +123,11 @@ def load_data(
                              "the dump (rerun train-eagle --dump-hidden-states: it resumes)")
         raise ConfigError(f"{states.path}: dumped from other data (its {len(states)} rows differ in number or length "
                          f"from the recipe's {len(rows)}); dump this recipe's into another directory")
+    if states is not None:
+        try:
+            check_rows(states.path, states.shards, rows.select_columns(["input_ids", "loss_mask"]))
+        except ValueError as err:  # rows of the same lengths, other tokens
+            raise ConfigError(str(err)) from None
     # Batches collate every column of their rows: leave out load_rows' `source`.
     batch_rows = rows.select_columns(["input_ids", "loss_mask"]) if states is None else states
 

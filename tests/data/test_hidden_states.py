@@ -103,6 +103,21 @@ def test_resume_recreates_the_missing_shard(target, rows, tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_resume_refuses_other_rows_of_the_same_lengths(target, rows, tmp_path):
+    """A dump resumed over other data is refused before any new shard, even where the lengths agree: the index
+    keeps each shard's digest of its rows."""
+    aux_layers = target.config.default_aux_layers
+    dump_hidden_states(target, rows[:4], tmp_path, aux_layers, shard_size_mb=SHARD_MB)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    other = [dict(row) for row in rows]
+    other[1] = {**rows[1], "input_ids": [(t + 1) % target.config.vocab_size for t in rows[1]["input_ids"]]}
+    with pytest.raises(ValueError, match=r"shard_00000.safetensors holds other conversations than rows 0\.\."):
+        dump_hidden_states(target, other, tmp_path, aux_layers, shard_size_mb=SHARD_MB)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    dump_hidden_states(target, rows, tmp_path, aux_layers, shard_size_mb=SHARD_MB)  # the same rows resume
+    assert len(HiddenStateDataset(tmp_path, target, aux_layers)) == len(rows)
+
+
 def test_reader_refuses_another_target_or_aux_layers(target, rows, hf_checkpoint, tmp_path):
     aux_layers = target.config.default_aux_layers
     dump_hidden_states(target, rows[:2], tmp_path, aux_layers)

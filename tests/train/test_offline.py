@@ -92,6 +92,7 @@ def test_states_of_other_rows_are_refused(tmp_path):
     for overrides, message in [
         (["data.synthetic.num_batches=5"], "holds the first 8 of the recipe's 10 rows; finish the dump"),
         (["data.synthetic.seq_len=16"], "dumped from other data"),
+        (["data.synthetic.seed=1"], r"shard_00000.safetensors holds other conversations than rows 0\.\.7 of this data"),
     ]:
         other = load_recipe("ci-tiny", overrides)
         with pytest.raises(ValueError, match=message):
