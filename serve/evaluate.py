@@ -66,7 +66,12 @@ class Acceptance:
 
 
 def acceptance_stats(accepted: list[int], depth: int) -> Acceptance:
-    """From per-verification accepted draft-token counts (each 0..depth); see the module docstring."""
+    """From per-verification accepted draft-token counts (each 0..depth); see the module docstring. An endpoint
+    whose trees are deeper than `depth` (--num-steps) widens it to its deepest acceptance, with a warning."""
+    if accepted and max(accepted) > depth:
+        log.warning("a verification accepted %d draft tokens, more than --num-steps %d: the statistics cover %d "
+                    "positions (pass the server's tree depth as --num-steps)", max(accepted), depth, max(accepted))
+        depth = max(accepted)
     n = len(accepted)
     if n == 0:
         return Acceptance(1.0, [0.0] * depth, [0.0] * depth, 0, [0] * (depth + 1))
@@ -254,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         questions = load_questions(args.bench)[: args.limit]
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
+    if not questions:
+        limit = f" (--limit {args.limit})" if args.limit is not None else ""
+        parser.error(f"--bench {args.bench}: no questions{limit}")
     settings = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency}
     if args.endpoint:

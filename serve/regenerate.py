@@ -103,7 +103,7 @@ def written_indices(output: Path, repair: bool = False) -> set[int]:
                 if not line.endswith(b"\n"):
                     raise ValueError("no line end")  # cut mid-write (even if the JSON is whole)
                 done.add(json.loads(line)["index"])
-            except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
+            except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError; TypeError: not an object
                 if number < len(lines):
                     raise ValueError(f"{output}, line {number}: not a regenerated conversation ({e!r}); "
                                      "fix or remove that line to resume") from e

@@ -25,6 +25,13 @@ def test_acceptance_stats_by_hand():
     assert chain.tau == 1 and chain.accept_rate == [0.0, 0.0]
 
 
+def test_acceptance_deeper_than_num_steps_widens_the_statistics(caplog):
+    """An endpoint's trees may be deeper than --num-steps: every verification is still counted."""
+    s = acceptance_stats([4, 0, 2], depth=2)
+    assert s.histogram == [1, 0, 1, 0, 1] and s.reach == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert "more than --num-steps 2" in caplog.text
+
+
 def test_packaged_benchmarks_load():
     mt = load_questions("mt-bench")
     assert len(mt) == 80 and all(len(turns) == 2 for turns in mt)
@@ -44,6 +51,16 @@ def test_bad_prompt_file_is_named_by_line(tmp_path, capsys, lines, words):
         main(["--target", "unused", "--draft", "unused", "--bench", str(path)])  # before any loading
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and all(word in err for word in words), err
+
+
+@pytest.mark.parametrize("text, limit, words", [("", [], "q.jsonl: no questions"),
+                                                ('{"prompt": "Hi"}\n', ["--limit", "0"], "no questions (--limit 0)")])
+def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
+    path = tmp_path / "q.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "unused", "--draft", "unused", "--bench", str(path), *limit])  # before any loading
+    assert stopped.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_prompt_file_questions(tmp_path):

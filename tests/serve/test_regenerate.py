@@ -148,5 +148,8 @@ def test_a_bad_line_before_the_last_is_named_not_truncated(tmp_path):
     with pytest.raises(ValueError, match="line 2"):
         written_indices(output, repair=True)
     assert output.read_text().endswith(good[2][:10])  # nothing truncated
+    output.write_text(good[0] + "[1, 2]\n" + good[1])  # JSON, but not an object
+    with pytest.raises(ValueError, match="line 2: not a regenerated conversation"):
+        written_indices(output)
     output.write_text(good[0] + good[1] + good[2][:10])  # only the last line cut: repaired
     assert written_indices(output, repair=True) == {0, 1} and output.read_text() == good[0] + good[1]
