@@ -10,7 +10,9 @@ comes back its conversation asks for its next turn, and a finished conversation 
 the next one (no turn waits for the others). Replies come from eyas's engine in-process (continuous
 batching) or from any OpenAI-compatible endpoint (concurrent requests). The output is OpenAI `messages`
 JSONL, one line per conversation with its index in the input (`{"index": i, "messages": [...]}`), in the
-order conversations finish; a rerun skips the indices already written, so an interrupted run resumes.
+order conversations finish. A conversation left without an assistant turn (its first prompt refused or answered
+empty) is listed in `<output>.dropped` instead (`{"index": i}` lines). A rerun skips the indices in either file, so
+an interrupted run resumes where it stopped.
 Ctrl-C (or `timeout -s INT`) stops it with exit code 130 and every finished conversation written.
 """
 
@@ -90,10 +92,16 @@ def regenerate(conversations: Iterable[tuple[int, Conversation]], client: Client
             advance(index, rewrite)
 
 
+def dropped_file(output: Path) -> Path:
+    """Where the conversations that ended without an assistant turn are listed."""
+    return output.with_name(output.name + ".dropped")
+
+
 def written_indices(output: Path, repair: bool = False) -> set[int]:
-    """The indices of the conversations already in `output`. A last line cut by a kill does not count; with
-    `repair` the file is truncated before it, so that appending continues it cleanly. A bad line before the last
-    is an error (ValueError naming it): truncating there would drop the good records after it."""
+    """The indices of the conversations already in `output` (or in its `dropped_file`, of the same layout). A last
+    line cut by a kill does not count; with `repair` the file is truncated before it, so that appending continues it
+    cleanly. A bad line before the last is an error (ValueError naming it): truncating there would drop the good
+    records after it."""
     done, good = set(), 0  # `good`: bytes of whole lines
     if output.exists():
         data = output.read_bytes()
@@ -121,18 +129,23 @@ def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: 
     appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
     the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
     path = resolve_asset(data)
-    done = written_indices(output, repair=True)
+    dropped = dropped_file(output)
+    done = written_indices(output, repair=True) | written_indices(dropped, repair=True)
     i_shard, n_shards = shard
     pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit))
                if i % n_shards == i_shard and i not in done)
     total = None if limit is None else len(range(i_shard, limit, n_shards))  # this shard's share of `limit`
     written = 0
-    with open(output, "a") as f, tqdm(desc="regenerating", unit="conv", initial=len(done), total=total) as bar:
+    with (open(output, "a") as f, open(dropped, "a") as f_dropped,
+          tqdm(desc="regenerating", unit="conv", initial=len(done), total=total) as bar):
         for index, messages in regenerate(pending, client, batch_size):
             if any(m["role"] == "assistant" for m in messages):
                 f.write(json.dumps({"index": index, "messages": messages}) + "\n")
                 f.flush()  # a whole line on disk per conversation: an interrupted run resumes from here
                 written += 1
+            else:  # not for training, but finished: a rerun does not ask again
+                f_dropped.write(json.dumps({"index": index}) + "\n")
+                f_dropped.flush()
             bar.update(1)
     return written
 

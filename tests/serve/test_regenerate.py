@@ -70,6 +70,23 @@ def test_file_resumes_after_interruption(tmp_path):
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2, 3, 4]
 
 
+def test_conversations_without_an_assistant_turn_are_not_asked_again(tmp_path):
+    """A first prompt answered empty (or refused) leaves nothing to train on: listed in `<output>.dropped`, not in
+    the output, and a rerun does not ask for it again."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+
+    def silent_on_q1(prompt):
+        return "" if prompt[-1]["content"] == "q1" else "ok"
+
+    assert regenerate_file(data, out, EchoClient([], reply=silent_on_q1), batch_size=2) == 2
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 2]
+    assert (tmp_path / "out.jsonl.dropped").read_text() == '{"index": 1}\n'
+    calls = []
+    assert regenerate_file(data, out, EchoClient(calls), batch_size=2) == 0 and calls == []
+
+
 def test_shards_split_the_conversations(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(5)))
