@@ -12,7 +12,8 @@ batching) or from any OpenAI-compatible endpoint (concurrent requests). The outp
 JSONL, one line per conversation with its index in the input (`{"index": i, "messages": [...]}`), in the
 order conversations finish. A conversation left without an assistant turn (its first prompt refused or answered
 empty) is listed in `<output>.dropped` instead (`{"index": i}` lines). A rerun skips the indices in either file, so
-an interrupted run resumes where it stopped.
+an interrupted run resumes where it stopped (delete the `.dropped` file to ask for those again, say with a larger
+`--max-prompt-tokens`).
 Ctrl-C (or `timeout -s INT`) stops it with exit code 130 and every finished conversation written.
 """
 
