@@ -93,10 +93,12 @@ def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: 
     ds = conversations.map(
         _tokenize_batch,
         batched=True,
+        with_indices=True,
         fn_kwargs={
             "tokenizer": tokenizer,
             "end_of_turn": end_of_turn_id(tokenizer),
             "max_length": config.max_length,
+            "source": str(path),
         },
         remove_columns=["messages"],
         num_proc=config.num_proc,
@@ -117,14 +119,15 @@ def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
 
 
 def _tokenize_batch(
-    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int
+    batch: dict, indices: list[int], tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int,
+    source: str,
 ) -> dict[str, list]:
     rendered = []
-    for messages in batch["messages"]:
+    for i, messages in zip(indices, batch["messages"], strict=True):
         try:
             rendered.append(render_with_spans(tokenizer, messages))
-        except TemplateMismatch as e:
-            logger.warning(f"skipping a conversation: {e}")
+        except TemplateMismatch as e:  # i counts the file's usable conversations (bad records are not counted)
+            logger.warning(f"{source}: skipping conversation {i}: {e}")
     rows = [row for row in tokenize_rendered(tokenizer, rendered, end_of_turn, max_length) if any(row["loss_mask"])]
     return {"input_ids": [row["input_ids"] for row in rows], "loss_mask": [row["loss_mask"] for row in rows]}
 

@@ -70,6 +70,17 @@ def test_template_that_rewrites_content_is_refused(smollm2_tokenizer):
         render_with_spans(tok, CHAT)
 
 
+def test_a_conversation_the_template_rewrites_is_skipped_by_name(smollm2_tokenizer, tmp_path, caplog):
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper if 'shout' in m['content'] "
+                         "else m['content'] }}<|im_end|>\n{% endfor %}")
+    shouted = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "shout it"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (CHAT[1:3], shouted)))
+    assert len(build_dataset(path, tok, DataConfig(cache_dir=str(tmp_path / "cache")))) == 1
+    assert f"{path}: skipping conversation 1: the template rewrites assistant content" in caplog.text
+
+
 def test_truncation(smollm2_tokenizer):
     eot = end_of_turn_id(smollm2_tokenizer)
     full = tokenize_conversation(smollm2_tokenizer, CHAT, end_of_turn=eot)
