@@ -44,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from transformers import PreTrainedTokenizerBase
 
@@ -108,6 +108,15 @@ class _Generation(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="only 1 is supported")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's schema lets these options be null, meaning their default; clients send it so."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in ("temperature", "top_p", "top_k", "n",
+                                                                                   "stream"))}
+        return data
 
     @field_validator("n")
     @classmethod
@@ -332,6 +341,9 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        if tokenizer.chat_template is None:
+            raise APIError(400, "messages: this model has no chat template; send a prompt to /v1/completions",
+                           param="messages")
         try:
             prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text} for m in body.messages])
         except TemplateError as e:

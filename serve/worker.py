@@ -128,6 +128,7 @@ class EngineWorker:
             self._take_commands(block=not engine.has_work() and self._deadline is None)
             if self._deadline is not None:
                 if not engine.has_work():
+                    self._publish()  # the Finish of a request this last batch of commands aborted
                     break
                 if time.monotonic() > self._deadline:
                     for request in list(self._live):

@@ -270,6 +270,24 @@ def test_bad_input(server, body, status, field, words):
         assert field in error["message"]
 
 
+def test_null_options_mean_their_defaults(server):
+    """OpenAI's schema lets a client send null for temperature, top_p, n and stream."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
+            "stream": None, "top_k": None}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_chat_without_a_chat_template_is_a_client_error():
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = None
+    with Server(tok=tok) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "no chat template" in r.json()["error"]["message"] and "/v1/completions" in r.json()["error"]["message"]
+        assert s.client().completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_bad_completion_prompt(server):
     for prompt, words in [(LONG_PROMPT, "context"), ("", "empty"), ("hawk \ud800", "surrogate")]:
         r = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"model": MODEL, "prompt": prompt}),
@@ -412,6 +430,28 @@ def test_worker_shutdown_finishes_or_aborts_in_flight(grace, reason):
     finish, tokens = asyncio.run(run())
     assert finish.reason == reason and (tokens == 64) == (reason == "length")
     assert not worker._thread.is_alive() and worker.engine.pool.allocator.num_free == 32
+
+
+def test_an_abort_taken_with_the_shutdown_still_sends_its_finish():
+    """The engine thread takes an abort (a stop string found in the text) in one batch of commands with the shutdown's
+    stop: the request's Finish still leaves before the thread ends."""
+    target, head = tiny_models()
+    worker = EngineWorker(Engine(target, head, EngineConfig(block_size=16, num_blocks=32)))
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        stream, added = Stream(loop), loop.create_future()
+        worker._inbox.put(("add", stream, ([1, 2, 3], SamplingParams(temperature=0), 64, frozenset()), added))
+        worker.abort(stream, reason="stop")
+        worker._inbox.put(("stop", None, time.monotonic() + 30, None))  # what `shutdown` queues
+        worker.start()  # takes the three commands at once
+        await asyncio.to_thread(worker._thread.join)
+        await added
+        return await asyncio.wait_for(stream.events.get(), 5)
+
+    finish = asyncio.run(run())
+    assert isinstance(finish, Finish) and finish.reason == "stop"
+    assert worker.engine.pool.allocator.num_free == 32
 
 
 def test_submitter_cancelled_while_queued_frees_its_request():
