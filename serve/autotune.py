@@ -45,7 +45,7 @@ def read_autotune(path: Path) -> TreeByBatch:
         table = json.loads(Path(path).read_text())[KEY]
         if not isinstance(table, dict):
             raise TypeError(f"{KEY} is a {type(table).__name__}")
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not an autotune file ({{\"{KEY}\": {{batch size: setting}}}}): {e!r}") from e
     out = {}
     for batch, setting in table.items():

@@ -42,7 +42,7 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
     """A serving recipe (a path, or a name in recipes/serve/) as command-line flags: its keys are the flags'
     names with underscores (`num_steps: 5` is `--num-steps 5`, `disable_cuda_graph: true` is the bare switch,
     `speculative: off` is `--speculative off`); an unknown key is an error naming it."""
-    path = Path(recipe) if Path(recipe).exists() else SERVE_RECIPES / f"{recipe}.yaml"
+    path = Path(recipe) if Path(recipe).is_file() else SERVE_RECIPES / f"{recipe}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml"))
         parser.error(f"--recipe {recipe!r}: no such file, nor a serving recipe (known: {known})")
@@ -54,6 +54,8 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
     for key, value in values.items():
         if key not in actions:
             parser.error(f"{path}: unknown key {key!r}; known keys: {sorted(actions)}")
+        if value is None:
+            parser.error(f"{path}: {key} has no value (leave the key out for the default)")
         action, flag = actions[key], actions[key].option_strings[-1]
         if action.nargs == 0:  # a switch: given when true
             if not isinstance(value, bool):
@@ -118,7 +120,7 @@ def model_name(spec: str, path: Path) -> str:
     """The name clients send: a packaged model's name as given, else the directory's name or the GGUF's stem."""
     if not Path(spec).expanduser().exists():
         return spec
-    return path.stem if path.suffix == ".gguf" else path.name
+    return path.stem if path.suffix == ".gguf" else path.resolve().name  # "." names the directory
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -127,6 +127,9 @@ def test_autotune_file_errors_name_the_entry(tmp_path):
         path.write_text(json.dumps({"best_setting_by_batch_size": table}))
         with pytest.raises(ValueError, match=r"a.json: not an autotune file .*best_setting_by_batch_size is a"):
             read_autotune(path)
+    path.write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="a.json: not an autotune file"):
+        read_autotune(path)
     path.write_text(json.dumps({"best_setting_by_batch_size": {"1": "off", "01": "7,1,8"}}))
     with pytest.raises(ValueError, match="a.json: entry '01': batch size 1 is given twice"):
         read_autotune(path)

@@ -1,10 +1,12 @@
 """serve-eagle's arguments: serving recipes map onto its flags, flags given override them, unknown keys fail; the
 sampling flags every tool shares are checked before anything loads."""
 
+from pathlib import Path
+
 import pytest
 
 from eyas.serve import bench, evaluate, profile, regenerate
-from eyas.serve.cli import SERVE_RECIPES, parse_args
+from eyas.serve.cli import SERVE_RECIPES, model_name, parse_args
 from eyas.serve.commands import engine_options
 from eyas.serve.engine import EngineConfig
 
@@ -22,13 +24,25 @@ def test_flags_override_the_recipe():
 
 
 @pytest.mark.parametrize("text, words", [("target: x\nnum_stepz: 3\n", "unknown key 'num_stepz'"),
-                                         ("disable_cuda_graph: 1\n", "disable_cuda_graph is true or false, got 1")])
+                                         ("disable_cuda_graph: 1\n", "disable_cuda_graph is true or false, got 1"),
+                                         ("dtype:\n", "bad.yaml: dtype has no value")])
 def test_bad_recipe_key_is_named(tmp_path, capsys, text, words):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
     with pytest.raises(SystemExit):
         parse_args(["--recipe", str(bad)])
     assert words in capsys.readouterr().err
+
+
+def test_a_directory_named_like_a_recipe_is_not_read_as_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m").mkdir()  # say, a downloaded model
+    assert parse_args(["--recipe", "smollm2-135m"]).tree.num_steps == 5
+
+
+def test_the_served_name_of_the_current_directory_is_its_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert model_name(".", Path(".")) == model_name(str(tmp_path), tmp_path) == tmp_path.name
 
 
 @pytest.mark.parametrize("line, graphs, speculative", [("disable_cuda_graph: true", True, "on"),
