@@ -89,6 +89,9 @@ def check_rows(path: Path, shards: list[dict], rows: Iterable[dict]) -> Iterator
     rows, start = iter(rows), 0
     for shard in shards:
         n = len(shard["lengths"])
+        if "digest" not in shard:
+            raise ValueError(f"{path}: {shard['file']} has no digest of its rows (an earlier eyas dumped it); dump "
+                             "this data into another directory")
         if rows_digest(itertools.islice(rows, n)) != shard["digest"]:
             raise ValueError(f"{path}: {shard['file']} holds other conversations than rows {start}..{start + n - 1} "
                              "of this data; dump this data into another directory")

@@ -113,9 +113,9 @@ class _Generation(_Strict):
     @classmethod
     def _null_is_the_default(cls, data):
         """OpenAI's schema lets these options be null, meaning their default; clients send it so."""
+        nullable = ("temperature", "top_p", "top_k", "n", "stream")
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in ("temperature", "top_p", "top_k", "n",
-                                                                                   "stream"))}
+            return {key: value for key, value in data.items() if not (value is None and key in nullable)}
         return data
 
     @field_validator("n")

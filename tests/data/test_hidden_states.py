@@ -1,5 +1,7 @@
 """Offline hidden states: dump -> read back gives the trainer's online batch and the same TTT loss; resume; refusal."""
 
+import json
+
 import pytest
 import torch
 
@@ -116,6 +118,17 @@ def test_resume_refuses_other_rows_of_the_same_lengths(target, rows, tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     dump_hidden_states(target, rows, tmp_path, aux_layers, shard_size_mb=SHARD_MB)  # the same rows resume
     assert len(HiddenStateDataset(tmp_path, target, aux_layers)) == len(rows)
+
+
+def test_a_dump_without_row_digests_is_refused(target, rows, tmp_path):
+    aux_layers = target.config.default_aux_layers
+    dump_hidden_states(target, rows[:2], tmp_path, aux_layers)
+    index = json.loads((tmp_path / "index.json").read_text())
+    for shard in index["shards"]:
+        del shard["digest"]
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="shard_00000.safetensors has no digest of its rows"):
+        dump_hidden_states(target, rows, tmp_path, aux_layers)
 
 
 def test_reader_refuses_another_target_or_aux_layers(target, rows, hf_checkpoint, tmp_path):
