@@ -100,7 +100,7 @@ def test_chat_prompt_set_with_random_weights_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("text, words", [('{"prompt_ids": [1, 2]}\n{"prompt": "Hi"}\n', "p.jsonl, line 2: expected "
                                                                                        "'prompt_ids'"),
-                                         ('{"prompt_ids": [1, 2]\n', "p.jsonl, line 1: Expecting ',' delimiter"),
+                                         ('{"prompt_ids": [1, 2]\n', "p.jsonl, line 1: malformed JSON: Expecting ','"),
                                          ("\n", "p.jsonl: no prompts")])
 def test_bad_token_prompt_file_is_a_usage_error(tmp_path, capsys, text, words):
     path = tmp_path / "p.jsonl"
