@@ -7,7 +7,8 @@
 For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over the same
 prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus included), the mean
 decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping) and the host time a decode
-step spends outside those three (scheduling, block tables, input copies), all timed one step at a time; output
+step spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the
+time the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output
 tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
 where steps overlap that host time unless `--disable-overlap`; and the speedup over speculation off at the same
 batch size. `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf`
@@ -61,6 +62,7 @@ class Result:
     verify_ms: float
     accept_ms: float
     host_ms: float  # a decode step's time outside the three phases: scheduling, block tables, input copies
+    prefill_ms: float  # the first batch's prompts prefilled, whole (at batch 1: one prompt)
     tokens_per_s: float
     peak_gib: float  # peak GPU memory allocated during the run (0 on CPU)
     speedup: float = 1.0
@@ -161,7 +163,7 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
         batch_size, format_setting(shape), tau,
         1e3 * (t["draft"] + t["verify"] + t["accept"]) / steps,
         1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
-        1e3 * (t["decode"] - t["draft"] - t["verify"] - t["accept"]) / steps,
+        1e3 * (t["decode"] - t["draft"] - t["verify"] - t["accept"]) / steps, 1e3 * t["prefill"],
         generated / seconds, torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
     )
 
@@ -303,10 +305,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  batch {bs} tree {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
     print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
-          f"{'host':>6} {'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
+          f"{'host':>6} {'prefill':>7} {'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
     for r in results:
         print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
-              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.host_ms:>6.2f} {r.step_vs_off:>6.2f} {r.tokens_per_s:>8.1f} "
+              f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.host_ms:>6.2f} {r.prefill_ms:>7.2f} {r.step_vs_off:>6.2f} "
+              f"{r.tokens_per_s:>8.1f} "
               f"{r.speedup:>7.2f} {r.peak_gib:>8.1f}")
     if args.device.startswith("cuda"):
         served = target.model.layers[0].mlp.kernels.linear

@@ -22,7 +22,7 @@ def test_bench_tiny_random(tmp_path, capsys):
     assert {(r["batch_size"], r["setting"]) for r in results} == {
         (b, s) for b in (1, 2) for s in ("off", "3,1,4", "2,2,4")}
     for r in results:
-        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0 and r["prefill_ms"] > 0
         if r["setting"] == "off":
             assert r["speedup"] == 1.0 and r["draft_ms"] < r["verify_ms"]
     best = json.loads((tmp_path / "autotune.json").read_text())["best_setting_by_batch_size"]
