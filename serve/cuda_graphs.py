@@ -2,8 +2,8 @@
 
 A decode step launches hundreds of small kernels (every layer's projections, norms, rotary, attention);
 from Python that costs more host time than the GPU needs to run them. Captured in a graph, one replay
-launches them all. The engine keeps shapes few and fixed: batch sizes are padded up to `BATCH_BUCKETS`,
-block tables to the context's block count, draft extensions to the tree depth.
+launches them all. The engine keeps shapes few and fixed: batch sizes are padded up to `BATCH_BUCKETS`, prefill
+chunks to a `length_bucket`, block tables to the context's block count, draft extensions to the tree depth.
 
     graphs = GraphCache(device, enabled=True)
     out = graphs("verify", forward_fn, tokens, positions, table, prefix, mask)   # same as forward_fn(...)
@@ -29,6 +29,22 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
 def batch_bucket(batch: int) -> int:
     """The smallest bucket that holds `batch` rows (batches past the last bucket run as they are)."""
     return next((b for b in BATCH_BUCKETS if b >= batch), batch)
+
+
+def length_bucket(length: int) -> int:
+    """The columns a prefill chunk of `length` tokens is padded to: a power of two from 16 to 256, then a multiple of
+    256 (a long chunk wastes at most a quarter of its compute; a short one's cost is its launches, not its rows)."""
+    if length <= 256:
+        return max(16, 1 << (length - 1).bit_length())
+    return -(-length // 256) * 256
+
+
+def length_buckets(most: int) -> list[int]:
+    """Every length bucket up to `most` tokens."""
+    buckets = [16]
+    while (nxt := length_bucket(buckets[-1] + 1)) <= most:
+        buckets.append(nxt)
+    return buckets if most >= 16 else []
 
 
 class GraphCache:

@@ -45,7 +45,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
@@ -56,8 +55,9 @@ from eyas.common.target import TargetModel, TargetOutput
 
 from .accept import TORCH_ACCEPT
 from .attention import attention_backend
+from .attention.paged import slots_of
 from .autotune import TreeByBatch, setting_for
-from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket
+from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket, length_bucket, length_buckets
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
 from .kv_cache import KVPool, OutOfBlocks
@@ -65,7 +65,7 @@ from .rope import rope_tables
 from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, root_only
-from .verify import descend, draw_coins, verify_greedy, verify_sampling, walk_sampling
+from .verify import descend, draw_coins, verify_greedy, walk_sampling
 
 
 @dataclass(frozen=True)
@@ -291,17 +291,26 @@ class Engine:
         """Before serving: at each batch bucket up to max_batch_size (each with its tree setting, as autotuned), a
         greedy generation of `new_tokens` on prompts of 31 and 32 tokens (Triton compiles a kernel variant for
         lengths that are a multiple of 16 and one for the rest), then a decode step of sampled requests, without and
-        with top-p (each verifies in a graph of its own: `_target_pass`). The CUDA graphs are captured and the
-        kernels compiled before a request waits for them: seconds, which the first requests would otherwise pay.
-        (A batch mixing greedy and sampled requests captures its graph when it first runs.) Leaves no request and
-        every block free. `progress`: a bar on stderr, a step per batch size."""
+        with top-p (each verifies in a graph of its own: `_target_pass`); then a greedy prompt of each longer length
+        bucket that fits (`_prefill`'s graphs at batch 1). The CUDA graphs are captured and the kernels compiled before
+        a request waits for them: seconds, which the first requests would otherwise pay. (A batch mixing greedy and
+        sampled requests captures its graph when it first runs.) Leaves no request and every block free. `progress`:
+        a bar on stderr, a step per batch size and one for the prompt lengths."""
         vocab = self.target.config.vocab_size
         sizes = [b for b in BATCH_BUCKETS if b < self.config.max_batch_size] + [self.config.max_batch_size]
-        for batch in tqdm(sizes, desc="warming up", unit="batch size", disable=not progress, file=sys.stderr):
-            prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
-            self.generate(prompts, SamplingParams(temperature=0), new_tokens)
-            for sampled in (SamplingParams(), SamplingParams(top_p=0.95)):
-                self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
+        lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
+        bar = tqdm(total=len(sizes) + bool(lengths), desc="warming up", unit="step", disable=not progress,
+                   file=sys.stderr)
+        with bar:
+            for batch in sizes:
+                prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
+                self.generate(prompts, SamplingParams(temperature=0), new_tokens)
+                for sampled in (SamplingParams(), SamplingParams(top_p=0.95)):
+                    self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
+                bar.update()
+            for n in lengths:
+                self.generate([[(7 * j) % vocab for j in range(n)]], SamplingParams(temperature=0), 1)
+            bar.update(bool(lengths))
 
     # ---- scheduling -----------------------------------------------------------------------------
 
@@ -429,52 +438,77 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, requests: list[Request]) -> None:
-        """One chunk of each request's prompt in one target pass: rows padded to the longest chunk (the padding
-        queries' k/v land past each row's cached positions, or in the scratch block, and are rewritten later)."""
-        device = self.device
+        """One chunk of each request's prompt in one target pass, with the first token of each prompt it finishes
+        and the draft's extension over the chunk. Rows are padded to the longest chunk (the padding queries' k/v land
+        past each row's cached positions, or in the scratch block, and are rewritten later). With graphs the batch is
+        padded further to its bucket and the chunks to their `length_bucket`, and the pass is a graph replay,
+        wherever the padded positions stay in the context and the padded batch within `max_prefill_tokens`: run
+        eagerly, a small model's prefill takes longer to launch from Python than to compute (docs/perf.md)."""
         starts = [r.cached for r in requests]
         chunk = self.config.max_prefill_tokens
         ends = [min(r.prefill_target, s + chunk) for r, s in zip(requests, starts, strict=True)]
         lengths = [e - s for s, e in zip(starts, ends, strict=True)]
         B, T = len(requests), max(lengths)
-        tokens = torch.tensor([r.tokens[s:e] + [0] * (T - n) for r, s, e, n in zip(requests, starts, ends, lengths,
-                                                                                   strict=True)], device=device)
-        prefix = torch.tensor(starts, device=device)
+        rows, columns = batch_bucket(B), length_bucket(T)
+        graphed = self.graphs.enabled and rows * columns <= chunk and max(starts) + columns <= self.context_limit
+        pad, T = (rows - B, columns) if graphed else (0, T)
+        # The prompts this chunk finishes: their first token comes from the last position.
+        first = [b for b, r in enumerate(requests) if ends[b] == r.prefill_target and not r.output]
+        # Per row [its chunk (T) | the token after each position (T), what the draft reads there | start | last index
+        # | whether it is in `first`], padded with 0, in one copy. At a prompt's last position the draft reads its
+        # first token, which the pass puts there.
+        host = torch.zeros(B + pad, 2 * T + 3, dtype=torch.long)
+        for b, (r, s, e) in enumerate(zip(requests, starts, ends, strict=True)):
+            ids = r.tokens
+            own, after = ids[s:e], ids[s + 1 : e + 1]
+            host[b, : len(own)] = torch.tensor(own)
+            host[b, T : T + len(after)] = torch.tensor(after)
+            host[b, 2 * T :] = torch.tensor([s, len(own) - 1, b in first])
+        ids = to_device(host, self.device)
         # Wide enough for every padded position (past a row's blocks: the scratch block).
-        table = self._block_table(requests, width=self._blocks_for(max(starts) + T))
-        out = self.target(tokens, prefix[:, None] + torch.arange(T, device=device),
-                          self.attention(self.pool, table, prefix, causal_mask(T, device).expand(B, T, T)),
-                          aux_layers=self.aux_layers)
+        table = self._block_table(requests, pad, width=self._blocks_for(max(starts) + T))
+        name, verify, verify_inputs = self._verification(0, self._sampling(requests, pad, 1, first))
+        inputs = (ids[:, :T], ids[:, T : 2 * T], ids[:, 2 * T], ids[:, 2 * T + 1], ids[:, 2 * T + 2] != 0, table,
+                  *verify_inputs)
+        forward = functools.partial(self._prefill_forward, verify)
+        first_token, *draft = self.graphs(f"prefill, {name}", forward, *inputs) if graphed else forward(*inputs)
+        if draft:  # copies: a graph's outputs are overwritten by its next replay
+            states = draft_states(*(x[:B].clone() for x in draft))
         for r, e in zip(requests, ends, strict=True):
             r.cached = e
-        # The first token of a fresh request comes from its prompt's last position.
-        first = [i for i, r in enumerate(requests) if ends[i] == r.prefill_target and not r.output]
         if first:
-            rows = torch.tensor(first, device=device)
-            last = torch.tensor([lengths[i] - 1 for i in first], device=device)
-            logits = self.target.logits(out.hidden[rows, last][:, None]).float()  # [F, 1, V]
-            root = root_only(tokens[rows, last])
-            _, _, sampled = self._verify([requests[i] for i in first], root.tokens, root.parents, logits, 0)
-            for i, token in zip(first, sampled.tolist(), strict=True):
-                self._emit(requests[i], [token])
-        if self.drafter is not None:
-            # The draft reads each position's target state and the token after it (for a finished prompt,
-            # the first generated token).
-            after = [r.tokens[s + 1 : e + 1] for r, s, e in zip(requests, starts, ends, strict=True)]
-            next_tokens = torch.tensor([a + [0] * (T - len(a)) for a in after], device=device)
-            last = torch.tensor([n - 1 for n in lengths], device=device)
-            states = draft_states(*self.drafter.extend(out, next_tokens, prefix, last, table))
+            tokens = first_token.tolist()
+            for b in first:
+                self._emit(requests[b], [tokens[b]])
+        if draft:
             for r, state in zip(requests, states, strict=True):
                 if not r.finished:
                     r.draft = state
 
-    def _verify(self, requests: list[Request], tokens: Tensor, parents: Tensor, logits: Tensor, depth: int):
-        """(accepted, num_accepted, bonus) of trees `depth` deep, by each request's sampling parameters."""
-        valid = torch.ones_like(tokens, dtype=torch.bool)
-        if all(r.params.greedy for r in requests):
-            return verify_greedy(tokens, parents, logits, valid, depth)
-        return verify_sampling(tokens, parents, logits, valid, [r.params for r in requests], _generators(requests),
-                               depth)
+    def _prefill_forward(self, verify, tokens: Tensor, next_tokens: Tensor, prefix: Tensor, last: Tensor,
+                         first: Tensor, table: Tensor, *verify_inputs: Tensor) -> tuple[Tensor, ...]:
+        """The target pass over chunks tokens [B, T] at positions prefix + t, causal; the token after each row's last
+        index (`verify` of the root alone: greedy, or sampled with `verify_inputs`), which rows `first` [B] take as
+        the next token there; then the draft's extension with next_tokens [B, T]. -> that token [B], and with a head
+        the draft's hidden [B, H] and logits [B, Vd] at each row's last index."""
+        B, T = tokens.shape
+        positions = prefix[:, None] + torch.arange(T, device=tokens.device)
+        slots = slots_of(table, positions, self.pool.block_size)
+        mask = _causal_mask(T, tokens.device)
+        out = self.target(tokens, self.rope(positions),
+                          self.attention(self.pool, table, prefix, mask.expand(B, T, T), new_slots=slots),
+                          aux_layers=self.aux_layers)
+        hidden = out.hidden.gather(1, last[:, None, None].expand(B, 1, out.hidden.shape[-1]))  # [B, 1, H]
+        root = root_only(tokens.gather(1, last[:, None])[:, 0])
+        logits = self.target.logits(hidden).float()  # [B, 1, V]
+        _, _, token = verify(root.tokens, root.parents, logits, torch.ones_like(root.tokens, dtype=torch.bool),
+                             *verify_inputs)
+        if self.drafter is None:
+            return (token,)
+        at_last = torch.where(first, token, next_tokens.gather(1, last[:, None])[:, 0])
+        next_tokens = next_tokens.scatter(1, last[:, None], at_last[:, None])
+        return (token, *self.drafter.extend(out, next_tokens, prefix, last, table, self.drafter.rope(positions),
+                                            slots, mask))
 
     @torch.no_grad()
     def _decode(self, requests: list[Request], after: DecodeStep | None = None) -> DecodeStep | None:
@@ -501,7 +535,7 @@ class Engine:
             else:  # plain decoding (the draft still follows: `_accept` extends it)
                 tree = root_only(roots)
         with self._phase("verify"):  # target pass and verification in one graph
-            sampling = self._sampling(requests, pad, tree)
+            sampling = self._sampling(requests, pad, tree.tokens.shape[1])
             out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth, sampling)
         with self._phase("accept"):
             step = self._accept(requests, shape, depth, tree, n, table, out, accepted, num_accepted, bonus)
@@ -514,34 +548,41 @@ class Engine:
         """Whether a decode step stays in flight: with overlap on and no profiling (which times each step whole)."""
         return self.config.overlap and not self.profile
 
-    def _sampling(self, requests: list[Request], pad: int, tree: DraftTree) -> tuple[SamplingRows, Tensor] | None:
-        """None when every request is greedy; else the B' rows' sampling parameters and coins [B', N + 1] for
-        `walk_sampling` (padding rows sample at temperature 1 with coins of 0: they accept paths, which write only the
-        scratch block, and nothing of them reaches the host). The coins come from each request's generator, outside
-        the graph, so seeded requests draw what they draw eagerly."""
-        if all(r.params.greedy for r in requests):
+    def _sampling(self, requests: list[Request], pad: int, nodes: int, drawing: list[int] | None = None
+                  ) -> tuple[SamplingRows, Tensor] | None:
+        """None when every request that draws (`drawing`, indices; None: all) is greedy; else the B' rows' sampling
+        parameters and coins [B', nodes + 1] for `walk_sampling`, those of the rows that do not draw 0 (padding rows
+        sample at temperature 1: they accept paths, which write only the scratch block, and nothing of them reaches
+        the host). The coins come from each request's generator, outside the graph, so seeded requests draw what they
+        draw eagerly."""
+        drawing = list(range(len(requests))) if drawing is None else drawing
+        if all(requests[b].params.greedy for b in drawing):
             return None
         rows = SamplingRows.of([r.params for r in requests] + [SamplingParams()] * pad, len(requests) + pad,
                                self.target.config.vocab_size, self.device)
-        coins = draw_coins(len(requests), tree.tokens.shape[1], _generators(requests), self.device)
-        return rows, F.pad(coins, (0, 0, 0, pad))
+        coins = torch.zeros(len(requests) + pad, nodes + 1, device=self.device)
+        coins[drawing] = draw_coins(len(drawing), nodes, _generators([requests[b] for b in drawing]), self.device)
+        return rows, coins
+
+    def _verification(self, depth: int, sampling: tuple[SamplingRows, Tensor] | None):
+        """The verification a graph runs on trees `depth` deep: greedy, or by `sampling` (`_sampling`). -> its name,
+        its function of (tokens, parents, logits, node_valid, *inputs) and those inputs."""
+        if sampling is None:
+            return f"greedy verification {depth}", functools.partial(self.verify_greedy, max_depth=depth), ()
+        rows, coins = sampling
+        flags = (rows.any_top_k, rows.any_top_p, rows.any_greedy)
+        return (f"sampled verification {depth}, top-k, top-p, greedy rows {flags}",
+                functools.partial(self._verify_sampled, flags, depth), (rows.values, coins))
 
     def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, depth: int,
                      sampling: tuple[SamplingRows, Tensor] | None):
         """One target pass over every tree node (node j's KV goes to position n + j; each node sees the prefix
         and its ancestors) and, in the same graph, the verification of trees `depth` deep: greedy, or by `sampling`
         (`_sampling`). -> (its output, accepted, num_accepted, bonus)."""
-        inputs = (tree.tokens, tree.parents, tree.depth, table, n, tree.mask)
-        if sampling is None:
-            name, verify = f"target, greedy verification {depth}", functools.partial(self.verify_greedy,
-                                                                                    max_depth=depth)
-        else:
-            rows, coins = sampling
-            flags = (rows.any_top_k, rows.any_top_p, rows.any_greedy)
-            name = f"target, sampled verification {depth}, top-k, top-p, greedy rows {flags}"
-            verify = functools.partial(self._verify_sampled, flags, depth)
-            inputs += (rows.values, coins)
-        hidden, aux, *verified = self.graphs(name, functools.partial(self._target_forward, verify), *inputs)
+        name, verify, verify_inputs = self._verification(depth, sampling)
+        inputs = (tree.tokens, tree.parents, tree.depth, table, n, tree.mask, *verify_inputs)
+        hidden, aux, *verified = self.graphs(f"target, {name}", functools.partial(self._target_forward, verify),
+                                             *inputs)
         return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *verified)
 
     def _target_forward(self, verify, tokens: Tensor, parents: Tensor, depth: Tensor, table: Tensor,
@@ -615,7 +656,7 @@ class Engine:
         along = self.accept_kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n, table,
                                                 self.pool.block_size, T)
         return self.drafter.extend(along.states, along.next_tokens, n, num_accepted, table,
-                                   self.drafter.rope(along.positions), along.slots, _path_mask(T, path.device))
+                                   self.drafter.rope(along.positions), along.slots, _causal_mask(T, path.device))
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Appends generated tokens, stopping at a stop id, max_new_tokens or the context's end."""
@@ -648,9 +689,10 @@ def step_reserve(trees: list[TreeShape]) -> int:
 
 
 @functools.cache
-def _path_mask(T: int, device: torch.device) -> Tensor:
-    """The causal mask of an accepted path's T nodes, built once (in a graph, building it is two launches a replay);
-    T is at most a configured tree's depth + 1, so there are few."""
+def _causal_mask(T: int, device: torch.device) -> Tensor:
+    """The causal mask of T tokens, built once (in a graph, building it is two launches a replay): an accepted path's
+    (T at most a configured tree's depth + 1) or a prefill chunk's (T a `length_bucket`, or a chunk run eagerly), so
+    there are few."""
     return causal_mask(T, device)
 
 

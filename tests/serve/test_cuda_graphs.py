@@ -4,7 +4,7 @@ verification after the accept graph, and in the next step), so no other graph ma
 import pytest
 import torch
 
-from eyas.serve.cuda_graphs import GraphCache
+from eyas.serve.cuda_graphs import GraphCache, length_bucket, length_buckets
 
 
 def scratch(x):
@@ -29,3 +29,12 @@ def test_outputs_survive_other_graphs_replays():
     graphs("scratch", scratch, -x)
     torch.cuda.synchronize()
     assert torch.equal(out, x + 5)
+
+
+def test_length_buckets():
+    """Prefill chunks pad to a power of two from 16 to 256, then to a multiple of 256; the buckets up to a bound are
+    the lengths that bound pads to."""
+    assert [length_bucket(n) for n in (1, 16, 17, 200, 256, 257, 1000, 1025, 2048)] == [
+        16, 16, 32, 256, 256, 512, 1024, 1280, 2048]
+    assert length_buckets(1100) == [16, 32, 64, 128, 256, 512, 768, 1024] and length_buckets(15) == []
+    assert all(length_bucket(n) in length_buckets(2048) for n in range(1, 2049))

@@ -13,6 +13,7 @@ from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
 from eyas.serve.attention.torch_sdpa import TorchPagedAttention
+from eyas.serve.cuda_graphs import GraphCache, length_bucket
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.fp8 import dequantize, quantize
 from eyas.serve.generate import greedy_tokens
@@ -129,14 +130,16 @@ def accepting_last_children(verify):
 
 
 @torch.no_grad()
-def check_drafted_tree(target, shape: TreeShape, tol: float, decode_steps: int = 0):
+def check_drafted_tree(target, shape: TreeShape, tol: float, decode_steps: int = 0, padded: bool = False):
     """The draft's paged KV (the prompt's, extended at prefill, then along each decode step's accepted path, and
     each pass's frontier at its scratch slots) gives every pass the logits, and so the tree, that a cache-free
     recomputation gives. The decode steps accept paths of drafted nodes (`accepting_last_children`). Eager (no CUDA
-    graphs: the recording runs each call); on CUDA with the Triton kernels."""
+    graphs: the recording runs each call); on CUDA with the Triton kernels. `padded`: in the fixed shapes of graphs
+    (on CPU, where nothing is captured), the prefill's among them: its rows and length padded to their buckets."""
     device = target.embed_tokens.weight.device
     engine = Engine(target, random_head(target).to(device), EngineConfig(tree=shape, block_size=4, num_blocks=64,
-                                                                          cuda_graphs=False, overlap=False))
+                                                                          cuda_graphs=padded, overlap=False))
+    assert engine.graphs.enabled == padded and not engine.graphs.capture
     engine.verify_greedy = accepting_last_children(engine.verify_greedy)
     request = engine.add_request(prompts(1, target.config.vocab_size, seed=3)[0], GREEDY, max_new_tokens=32)
     for _ in range(1 + decode_steps):  # the prefill (the first token, the draft extended over the prompt), then steps
@@ -157,10 +160,12 @@ def check_drafted_tree(target, shape: TreeShape, tol: float, decode_steps: int =
     assert torch.equal(tree.tokens, tokens) and torch.equal(tree.parents, parents)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
 @pytest.mark.parametrize("decode_steps", [0, 2], ids=["after-prefill", "after-2-steps"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_drafted_tree_equals_uncached_drafting(target, shape, decode_steps):
-    check_drafted_tree(target, SHAPES[shape], 1e-5, decode_steps)
+def test_drafted_tree_equals_uncached_drafting(target, shape, decode_steps, padded, monkeypatch):
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", padded)
+    check_drafted_tree(target, SHAPES[shape], 1e-5, decode_steps, padded)
 
 
 @pytest.mark.gpu
@@ -215,6 +220,33 @@ def test_fixed_shapes_of_cuda_graphs_change_nothing(target, shape, monkeypatch):
         assert engine.graphs.enabled and not engine.graphs.capture
         assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=20)] == reference
         assert engine.pool.allocator.num_free == 96
+
+
+def test_prefill_in_buckets_where_they_fit(target, monkeypatch):
+    """With graphs a prefill chunk runs padded to its batch bucket and length bucket (here on CPU, uncaptured),
+    except where the padded positions would pass the context's end: that chunk runs as it is. Output and acceptance
+    are the unpadded engine's, the output the target's. (`test_drafted_tree_equals_uncached_drafting` checks the
+    draft's state after a padded prefill.)"""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)
+    ps = prompts(3, target.config.vocab_size, seed=9)
+    ps[0] = (ps[0] * 10)[:170]  # the context is 192 positions; its length bucket, 256, is not
+    padded = []  # (rows, columns) of every prefill run in a graph's shapes
+    call = GraphCache.__call__
+    monkeypatch.setattr(GraphCache, "__call__", lambda graphs, name, fn, *inputs: (
+        padded.append(tuple(inputs[0].shape)) if name.startswith("prefill") else None, call(graphs, name, fn,
+                                                                                             *inputs))[1])
+    runs = []
+    for graphs in (True, False):
+        engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=48,
+                                                                  cuda_graphs=graphs))
+        assert engine.context_limit == 192
+        requests = [engine.add_request(p, GREEDY, 10) for p in ps]
+        while engine.has_work():
+            engine.step()
+        runs.append([(r.output, r.accepted) for r in requests])
+    assert runs[0] == runs[1] and [output for output, _ in runs[0]] == [list(greedy_tokens(target, p, 10)) for p in ps]
+    # The long prompt ran unpadded; the other two, admitted together once it ended, as one padded chunk.
+    assert padded == [(2, length_bucket(max(map(len, ps[1:]))))]
 
 
 @pytest.mark.gpu
@@ -473,9 +505,12 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     monkeypatch.setattr(engine, "generate", lambda ps, params, *args: batches.append(
         (len(ps), params.temperature, params.top_p)) or generate(ps, params, *args))
     engine.warm_up(new_tokens=4, progress=True)
-    assert batches == [(b, t, p) for b in (1, 2, 3) for t, p in ((0, 1), (1, 1), (1, 0.95))]
-    err = capsys.readouterr().err  # the bar, one step per batch size
-    assert "warming up: 100%" in err and "3/3" in err
+    # Each batch size greedy, sampled and with top-p; then one prompt of each length bucket past 32 that fits the
+    # context (128 blocks of 4: 512 positions, less the room a step needs).
+    assert batches == [(b, t, p) for b in (1, 2, 3) for t, p in ((0, 1), (1, 1), (1, 0.95))] + [
+        (1, 0, 1)] * 3 and engine.context_limit == 512
+    err = capsys.readouterr().err  # the bar, one step per batch size and one for the prompt lengths
+    assert "warming up: 100%" in err and "4/4" in err
     assert not engine.has_work() and engine.pool.allocator.num_free == 128
     ps = prompts(3, target.config.vocab_size)
     fresh = Engine(target, random_head(target), config).generate(ps, GREEDY, max_new_tokens=12)
