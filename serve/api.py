@@ -212,10 +212,14 @@ class Generation:
     async def pieces(self) -> AsyncIterator[str]:
         try:
             while not isinstance(event := await self.stream.events.get(), Finish):
-                self.completion_tokens += len(event)
-                piece = self.text.push([t for t in event if t not in self.stop_ids])
-                if piece:
-                    yield piece
+                # With stop strings, token by token: the count ends at the token that completes one, whether a step
+                # gave one token or (speculating) several.
+                for ids in ([t] for t in event) if self.text.stop else (event,):
+                    self.completion_tokens += len(ids)
+                    if piece := self.text.push([t for t in ids if t not in self.stop_ids]):
+                        yield piece
+                    if self.text.stopped:
+                        break
                 if self.text.stopped:  # a stop string: end the request, wait for its finish
                     self.worker.abort(self.stream, reason="stop")
                     while not isinstance(event := await self.stream.events.get(), Finish):

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from eyas.common.assets import asset_path
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import load_tokenizer
-from eyas.serve.api import create_app
+from eyas.serve.api import Generation, create_app
 from eyas.serve.clients import EndpointClient
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.sampling import SamplingParams
@@ -197,6 +197,30 @@ def test_stop_strings(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert server.idle()
     assert server.metric("eyas_requests_finished_total", reason="abort") == 0
+
+
+def test_usage_counts_tokens_up_to_the_stop_string():
+    """A speculative step hands several tokens at once; usage counts those up to the one that completes a stop
+    string, as when each step gives one token."""
+    tok = tokenizer()
+    ids = tok("alpha beta gamma delta", add_special_tokens=False).input_ids
+    stop = tok.decode(ids[1:2]).strip()  # completed by the second token
+
+    class Worker:
+        def abort(self, stream, reason="abort"):
+            stream.events.put_nowait(Finish(reason, []))
+
+    async def count(events):
+        stream = Stream(asyncio.get_running_loop())
+        for event in events:
+            stream.events.put_nowait(event)
+        gen = Generation(Worker(), stream, TextStream(tok, stop=[stop]), set())
+        return "".join([piece async for piece in gen.pieces()]), gen.completion_tokens, gen.reason
+
+    one_at_a_time = asyncio.run(count([[i] for i in ids]))
+    text = tok.decode(ids)
+    assert one_at_a_time == (text[: text.index(stop)], 2, "stop")
+    assert asyncio.run(count([ids[:3], ids[3:]])) == one_at_a_time
 
 
 def test_endpoint_client_finds_the_served_model(server):
