@@ -20,6 +20,7 @@ from eyas.data.tokenizer import render_chat, stop_token_ids
 
 from .engine import Engine, Request
 from .sampling import SamplingParams
+from .text import decode_text
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class EngineClient(Client):
             finished = [r for r in self.pending if r.finished]
             if finished:
                 self.pending = [r for r in self.pending if not r.finished]
-                done += [(r, Answer(self.tokenizer.decode(r.content).strip(), len(r.output), r.accepted))
+                done += [(r, Answer(decode_text(self.tokenizer, r.content).strip(), len(r.output), r.accepted))
                          for r in finished]
         return done
 

@@ -16,6 +16,11 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """Generated ids as the answer's text: special tokens (a chat template's markers the model may emit) dropped."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class TextStream:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] = ()):
         self.tokenizer = tokenizer
@@ -28,7 +33,7 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_text(self.tokenizer, ids)
 
     def push(self, ids: list[int]) -> str:
         """Adds generated ids; returns the new text that can be shown."""

@@ -158,6 +158,21 @@ def test_engine_client_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
     assert [a.text for a in client.answer(prompts)] == expected
 
 
+def test_engine_client_answers_without_special_tokens(smollm2_tokenizer, tmp_path):
+    """An answer holding a chat marker the model emitted reads as the HTTP API shows it: the marker dropped."""
+    tok = smollm2_tokenizer
+    make_hf_model("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2
+                  ).save_pretrained(tmp_path)
+    engine = Engine(TargetModel.from_pretrained(tmp_path), None, EngineConfig(block_size=8, num_blocks=64))
+    client = EngineClient(engine, tok, SamplingParams(temperature=0), 12)
+    request = client.submit(conv("Hello there"))
+    words = tok("Hi there", add_special_tokens=False).input_ids
+    request.output = [tok.convert_tokens_to_ids("<|im_start|>")] + words + [*stop_token_ids(tok)][:1]
+    engine.abort(request)  # as if it had ended with those tokens
+    [(handle, answer)] = client.collect()
+    assert handle is request and answer.text == "Hi there"
+
+
 def test_a_bad_line_before_the_last_is_named_not_truncated(tmp_path):
     output = tmp_path / "regen.jsonl"
     good = [json.dumps({"index": i, "messages": []}) + "\n" for i in range(3)]
