@@ -40,6 +40,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from eyas.common.attention import CausalAttention
+from eyas.common.config import ConfigError
 from eyas.common.target import TargetModel
 from eyas.data.dataset import collate, pad_right
 
@@ -84,16 +85,16 @@ def rows_digest(rows: Iterable[dict]) -> str:
 
 
 def check_rows(path: Path, shards: list[dict], rows: Iterable[dict]) -> Iterator[dict]:
-    """Refuses (ValueError) `rows` whose first ones are not the conversations `shards` hold, compared shard by
+    """Refuses (ConfigError) `rows` whose first ones are not the conversations `shards` hold, compared shard by
     shard; returns the iterator of the rows after them."""
     rows, start = iter(rows), 0
     for shard in shards:
         n = len(shard["lengths"])
         if "digest" not in shard:
-            raise ValueError(f"{path}: {shard['file']} has no digest of its rows (an earlier eyas dumped it); dump "
+            raise ConfigError(f"{path}: {shard['file']} has no digest of its rows (an earlier eyas dumped it); dump "
                              "this data into another directory")
         if rows_digest(itertools.islice(rows, n)) != shard["digest"]:
-            raise ValueError(f"{path}: {shard['file']} holds other conversations than rows {start}..{start + n - 1} "
+            raise ConfigError(f"{path}: {shard['file']} holds other conversations than rows {start}..{start + n - 1} "
                              "of this data; dump this data into another directory")
         start += n
     return rows
@@ -102,7 +103,7 @@ def check_rows(path: Path, shards: list[dict], rows: Iterable[dict]) -> Iterator
 def _check(path: Path, index: dict, expected: dict) -> None:
     for key, want in expected.items():
         if index[key] != want:
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: hidden states were dumped with {key}={index[key]}, but this run has {key}={want}; "
                 "dump them again for this target (into another directory)"
             )
@@ -180,7 +181,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     """The dumped conversations, read on demand from the memory-mapped shards. Row i: `input_ids`, `loss_mask`
     int64 [T], `aux` [T, 3·H] and `hidden` [T, H] (or `logits` [T, V]) in the dump's dtype.
 
-    Refuses (ValueError) shards dumped from another target (config or weights) or with other aux_layers."""
+    Refuses (ConfigError) shards dumped from another target (config or weights) or with other aux_layers."""
 
     def __init__(self, path: str | Path, target: TargetModel, aux_layers: Sequence[int]):
         self.path = Path(path)

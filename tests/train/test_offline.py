@@ -12,6 +12,7 @@ from eyas.common.checkpoint import CheckpointError
 from eyas.common.target import TargetModel
 from eyas.data.hidden_states import HiddenStateDataset
 from eyas.train import target as train_target
+from eyas.train.cli import main as cli_main
 from eyas.train.config import ModelConfig, load_recipe
 from eyas.train.data import load_data, load_rows
 from eyas.train.target import load_target
@@ -97,6 +98,17 @@ def test_states_of_other_rows_are_refused(tmp_path):
         other = load_recipe("ci-tiny", overrides)
         with pytest.raises(ValueError, match=message):
             load_data(other.data, load_rows(other, 256), 256, 64, seed=0, states=states)
+
+
+def test_cli_names_states_of_another_target(tmp_path, capsys):
+    """States dumped from another target are refused by train-eagle as a usage error, the dump named, without a
+    traceback."""
+    dump(load_recipe("ci-tiny", [f"data.hidden_states={tmp_path / 'states'}"]))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--recipe", "ci-tiny", "--output", str(tmp_path / "run"), "--set", "model.random_target.seed=1",
+                  "--set", f"data.hidden_states={tmp_path / 'states'}"])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path / 'states'}: hidden states were dumped with target=" in capsys.readouterr().err
 
 
 def test_dump_needs_a_directory():
