@@ -22,10 +22,11 @@ its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the
 
 On CUDA with the triton backend a decode step replays three CUDA graphs (`cuda_graphs.py`): the tree drafting, the
 target pass with its verification (greedy or sampled), and the draft's extension along the accepted path with its
-inputs. Batches are padded to a bucket, block tables to full width. On CUDA the models' elementwise work and
-one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks (greedy and sampled),
-its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton kernels
-(`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
+inputs; a prefill chunk replays one (the target pass, the prompt's first token and the draft's extension). Batches
+are padded to a bucket, prefill chunks to a length bucket, block tables to full width. On CUDA the models'
+elementwise work and one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks
+(greedy and sampled), its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton
+kernels (`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
 q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`), and with
 `draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read (`fp8.py`).
 
