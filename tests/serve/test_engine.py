@@ -449,7 +449,10 @@ def test_speculation_off_is_plain_decoding(target):
     assert all(r.accepted == [] for r in requests)
 
 
-def test_stop_ids_and_chunked_prefill(target):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_stop_ids_and_chunked_prefill(target, graphs, monkeypatch):
+    """With graphs (on CPU, their shapes uncaptured) each 16-token chunk runs padded to its length bucket."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     p = prompts(1, target.config.vocab_size, seed=2)[0] * 3  # long enough for several chunks
     free = list(greedy_tokens(target, p, 30))
     stop = free[7]
@@ -459,10 +462,13 @@ def test_stop_ids_and_chunked_prefill(target):
     assert request.output == free[: free.index(stop) + 1] and request.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("chunk", [16, 2048])
-def test_prompts_prefill_together(target, chunk, monkeypatch):
-    """Waiting prompts of different lengths are prefilled in one pass (padded to the longest chunk) as far as
-    `max_prefill_tokens` allows, chunked where it does not; outputs are the target's own."""
+def test_prompts_prefill_together(target, chunk, graphs, monkeypatch):
+    """Waiting prompts of different lengths are prefilled in one pass (padded to the longest chunk, and with graphs
+    to the batch and length buckets) as far as `max_prefill_tokens` allows, chunked where it does not; outputs are
+    the target's own."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     ps = prompts(5, target.config.vocab_size, seed=6)
     reference = [list(greedy_tokens(target, p, 12)) for p in ps]
     engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=256,
@@ -477,8 +483,11 @@ def test_prompts_prefill_together(target, chunk, monkeypatch):
         assert len(passes) >= max(-(-len(p) // chunk) for p in ps) and max(passes) <= chunk
 
 
-def test_preemption_when_blocks_run_out(target):
-    """A pool too small for all requests at once: they are preempted and recomputed, outputs unchanged."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preemption_when_blocks_run_out(target, graphs, monkeypatch):
+    """A pool too small for all requests at once: they are preempted and recomputed (with graphs, the recomputing
+    prefill padded to its buckets), outputs unchanged."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     ps = prompts(6, target.config.vocab_size, seed=3)
     reference = [list(greedy_tokens(target, p, 40)) for p in ps]
     engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["chain"], block_size=4, num_blocks=40))
