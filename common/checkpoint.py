@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from .config import ConfigError, TargetConfig, read_json
@@ -87,10 +87,13 @@ def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[s
         shard = path / name
         if not shard.exists():
             raise CheckpointError(f"{index}: names shard '{name}', which does not exist")
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                if names is None or key in names:
-                    tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    if names is None or key in names:
+                        tensors[key] = f.get_tensor(key)
+        except SafetensorError as err:  # a truncated or corrupt file: its own message names no file
+            raise CheckpointError(f"{shard}: not a readable safetensors file ({err}); copy it again") from err
     return tensors
 
 

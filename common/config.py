@@ -72,6 +72,24 @@ def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str):
         raise ConfigError(f"{source}: {err}") from err
 
 
+def mapping_field(cfg: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
+    """`cfg[key]`, a nested object of a config.json; {} when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: field '{key}' should be an object, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_positive(config: Any, names: tuple[str, ...]) -> None:
+    """Raises a ValueError naming the first of `config`'s size fields `names` below 1 (a 0 would divide by zero or
+    build empty layers far from the file that said it)."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"field '{name}' must be >= 1, got {getattr(config, name)}")
+
+
 def read_json(path: str | Path) -> dict:
     path = Path(path)
     try:
@@ -102,8 +120,9 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str) -> RopeConfig:
         # transformers < 5 writes `rope_theta` + `rope_scaling`; transformers 5 writes `rope_parameters`.
-        params = dict(cfg.get("rope_parameters") or {})
-        params.update(cfg.get("rope_scaling") or {})
+        params = {}
+        for key in ("rope_parameters", "rope_scaling"):
+            params.update(mapping_field(cfg, key, source))
         theta = cfg.get("rope_theta", params.pop("rope_theta", 10000.0))
         params.pop("rope_theta", None)
         rope_type = params.pop("rope_type", params.pop("type", "default"))
@@ -133,13 +152,19 @@ def read_layer_fields(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
         "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
         "max_position_embeddings",
     ) if k in cfg}
-    values["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
+    kv_heads = cfg.get("num_key_value_heads")
+    values["num_key_value_heads"] = heads if kv_heads is None else kv_heads
     if cfg.get("head_dim") is not None:
         values["head_dim"] = cfg["head_dim"]
     elif isinstance(hidden, int) and isinstance(heads, int) and heads:
         values["head_dim"] = hidden // heads
     values["rope"] = RopeConfig.from_hf(cfg, source)
     return values
+
+
+# The size fields `read_layer_fields` reads, each at least 1.
+LAYER_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "max_position_embeddings")
 
 
 def write_layer_fields(c: Any) -> dict[str, Any]:
@@ -192,6 +217,7 @@ class TargetConfig:
     qk_norm: bool = False
 
     def __post_init__(self):
+        check_positive(self, LAYER_SIZES + ("num_hidden_layers",))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -213,7 +239,7 @@ class TargetConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> TargetConfig:
         cfg = dict(cfg)
-        cfg.update(cfg.pop("text_config", None) or {})
+        cfg.update(mapping_field(cfg, "text_config", source))  # multimodal wrappers nest the decoder's fields
         model_type = cfg.get("model_type")
         if model_type not in _FAMILIES:
             raise ConfigError(
@@ -232,7 +258,9 @@ class TargetConfig:
         # carry a window they use only with use_sliding_window (default false, as transformers reads them); Mistral's
         # has no such switch.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
-        if isinstance(window, int) and isinstance(values.get("max_position_embeddings"), int):
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"{source}: field 'sliding_window' should be a positive integer or null, got {window!r}")
+        if window is not None and isinstance(values.get("max_position_embeddings"), int):
             values["max_position_embeddings"] = min(values["max_position_embeddings"], window)
         return build_dataclass(cls, values, source=source)
 

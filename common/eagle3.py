@@ -21,7 +21,17 @@ import torch
 from torch import Tensor, nn
 
 from .attention import AttentionMetadata
-from .config import ConfigError, RopeConfig, TargetConfig, build_dataclass, read_layer_fields, write_layer_fields
+from .config import (
+    LAYER_SIZES,
+    ConfigError,
+    RopeConfig,
+    TargetConfig,
+    build_dataclass,
+    check_positive,
+    mapping_field,
+    read_layer_fields,
+    write_layer_fields,
+)
 from .hot_vocab import HotVocab
 from .layers import MLP, Attention, Kernels, RMSNorm, Rotary
 from .target import TargetOutput
@@ -53,6 +63,7 @@ class Eagle3Config:
     norm_before_residual: bool = False  # vLLM speculators variant: the residual is hidden_norm(h)
 
     def __post_init__(self):
+        check_positive(self, LAYER_SIZES + ("draft_vocab_size", "target_hidden_size"))
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
@@ -105,7 +116,7 @@ class Eagle3Config:
         # the stream entering id + 1); vLLM/speculators read a top-level list as the layers the stream
         # *enters*. We store the latter. Both engines' defaults are the same streams: [2, L//2, L-3].
         top = cfg.get("eagle_aux_hidden_state_layer_ids")
-        nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        nested = mapping_field(cfg, "eagle_config", source).get("eagle_aux_hidden_state_layer_ids")
         if top is not None:
             values["aux_layers"] = _layer_ids(top, "eagle_aux_hidden_state_layer_ids", source, shift=0)
         elif nested is not None:

@@ -3,7 +3,8 @@
     step_N/engine/             DeepSpeed's files: module, optimizer (ZeRO partitions), lr scheduler
     step_N/rng_rank{R}.pt      python, numpy and torch (CPU + CUDA) RNG states of rank R
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
-                               that decide which rows a position means (`check_resumable`)}; written last
+                               that decide which rows a position means (`check_resumable`), "head": the head's
+                               shape and precision (`check_same_head`)}; written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
 (`durable_replace`), so a directory named `step_N` is always complete, even after a power loss (a run killed while
@@ -48,7 +49,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, root: Path, step: int, position: int, data_order: dict, keep_last: int = 0) -> Path:
+def save(engine, root: Path, step: int, position: int, data_order: dict, head: dict, keep_last: int = 0) -> Path:
     """Writes `root/step_{step}` (all ranks call this); prunes to the newest `keep_last` when > 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
@@ -60,7 +61,7 @@ def save(engine, root: Path, step: int, position: int, data_order: dict, keep_la
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        state = {"step": step, "position": position, "data_order": data_order}
+        state = {"step": step, "position": position, "data_order": data_order, "head": head}
         (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
         durable_replace(tmp, final)  # a `final` already there: a leftover of a run that died after this step
         if keep_last > 0:
@@ -110,13 +111,32 @@ def check_resumable(path: Path, data_order: dict, total_steps: int) -> None:
     if state["step"] > total_steps:
         raise ConfigError(f"{path}: step {state['step']} is past optim.total_steps {total_steps}; raise it to train "
                           "on, or train into another --output")
-    saved, now = state.get("data_order"), json.loads(json.dumps(data_order))
-    if saved is not None and saved != now:
-        changed = "; ".join(f"{key}: {saved.get(key)!r} then, {now.get(key)!r} now"
-                            for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key))
+    changed = _changes(state.get("data_order"), data_order)
+    if changed:
         raise ConfigError(f"{path} was trained with other data settings ({changed}), so its data position would "
                           "mean other rows: resume with the same settings, or train into another --output (with "
                           "model.init_from=<its run>/final to train its head further)")
+
+
+def check_same_head(path: Path, head: dict) -> None:
+    """Raises a ConfigError, before the checkpoint loads, when this run's head (`head`: its config and precision,
+    from the recipe's model section and the target) is not the checkpoint's: its weights or optimizer states would
+    not fit, or would feed other layers. Checkpoints written before the head was recorded are not compared."""
+    changed = _changes(json.loads((path / "trainer_state.json").read_text()).get("head"), head)
+    if changed:
+        raise ConfigError(f"{path} holds another head ({changed}): resume with the recipe's model settings "
+                          "(model.draft_vocab_size, model.aux_layers, model.precision, the target) as they were, "
+                          "or train into another --output")
+
+
+def _changes(saved: dict | None, now: dict) -> str:
+    """What differs between a recorded dict and this run's ('key: old then, new now; ...'); '' when nothing does
+    or nothing was recorded."""
+    now = json.loads(json.dumps(now))  # as it would read back: tuples become lists
+    if saved is None:
+        return ""
+    return "; ".join(f"{key}: {saved.get(key)!r} then, {now.get(key)!r} now"
+                     for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key))
 
 
 def load(engine, path: Path) -> dict:

@@ -61,6 +61,10 @@ class ModelConfig:
             raise ValueError(f"random_arch {self.random_arch!r} is not one of {sorted(ARCHITECTURES)}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.aux_layers is not None and (len(self.aux_layers) != 3 or min(self.aux_layers) < 0):
+            raise ValueError(f"aux_layers must name 3 target layers (ids >= 0), got {self.aux_layers}")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,11 @@ class SyntheticData:
     seq_len: int = 32
     assistant_fraction: float = 0.5
     seed: int = 0
+
+    def __post_init__(self):
+        if min(self.num_batches, self.batch_size, self.seq_len) < 1 or not 0 < self.assistant_fraction <= 1:
+            raise ValueError("need num_batches, batch_size, seq_len >= 1 and 0 < assistant_fraction <= 1, got "
+                             f"{self.num_batches}, {self.batch_size}, {self.seq_len}, {self.assistant_fraction}")
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,10 @@ class OptimConfig:
     def __post_init__(self):
         if self.total_steps < 1 or self.grad_accum < 1 or not 0 <= self.warmup_steps <= self.total_steps:
             raise ValueError("need total_steps >= 1, grad_accum >= 1 and 0 <= warmup_steps <= total_steps")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if min(self.lr, self.min_lr, self.weight_decay, self.grad_clip) < 0:
+            raise ValueError("need lr, min_lr, weight_decay and grad_clip >= 0")
 
 
 @dataclass(frozen=True)
@@ -260,9 +273,10 @@ def _build(cls: type, values: Any, source: str, prefix: str):
 
 
 def recipe_path(recipe: str | Path) -> Path:
-    """A path, or the name of a file in recipes/ (`ci-tiny` -> recipes/ci-tiny.yaml)."""
+    """A file, or the name of a file in recipes/ (`ci-tiny` -> recipes/ci-tiny.yaml): a directory named like a recipe
+    (an --output named after it) is not a recipe."""
     path = Path(recipe)
-    if path.exists():
+    if path.is_file():
         return path
     named = RECIPES_DIR / f"{recipe}.yaml"
     if named.exists():

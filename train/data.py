@@ -85,6 +85,16 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     return rows
 
 
+def check_fits_context(cfg: DataConfig, context: int) -> None:
+    """Refuses rows longer than the target's context (`max_position_embeddings`, capped at a sliding window the
+    target uses): past it the target's logits and hidden states, the head's labels and inputs, would be wrong."""
+    key, longest = (("data.synthetic.seq_len", cfg.synthetic.seq_len) if cfg.synthetic is not None
+                    else ("data.max_length", cfg.max_length))
+    if longest > context:
+        raise ConfigError(f"{key} {longest} exceeds the target's context of {context} tokens (its "
+                          "max_position_embeddings, or its sliding window): lower it")
+
+
 def _resolve(source: Source) -> Path:
     try:
         return resolve_asset(source.path).resolve()

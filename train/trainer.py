@@ -58,7 +58,7 @@ from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
 from . import checkpoint
 from .batches import Batch, micro_batches
 from .config import ModelConfig, TrainRecipe
-from .data import TrainData, load_data, load_rows
+from .data import TrainData, check_fits_context, load_data, load_rows
 from .metrics import MetricsLog
 from .optim import build_optimizer, deepspeed_config
 from .target import load_target, target_states
@@ -113,7 +113,12 @@ def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
     target's vocab, as the draft vocabulary is), fusing the streams entering `model.aux_layers` (None: the default
     [2, L//2, L-3], which the exported config then leaves implicit)."""
     aux = tuple(cfg.aux_layers) if cfg.aux_layers is not None else None
-    return Eagle3Config.for_target(target, min(cfg.draft_vocab_size, target.vocab_size), aux_layers=aux)
+    config = Eagle3Config.for_target(target, min(cfg.draft_vocab_size, target.vocab_size), aux_layers=aux)
+    try:
+        config.aux_layers_for(target)
+    except ValueError as err:
+        raise ConfigError(f"model.aux_layers: {err}") from err
+    return config
 
 
 def build_head(config: Eagle3Config, target: TargetModel, hot: HotVocab | None, cfg: ModelConfig) -> Eagle3Head:
@@ -206,6 +211,7 @@ def _bf16_slowdown() -> float:
 def _prepare_data(recipe: TrainRecipe, target: TargetModel, aux_layers: tuple[int, ...], rank: int) -> TrainData:
     """The recipe's rows, split and batched (rank 0 fills `datasets`' cache first, the other ranks then read it);
     offline, the batches read the hidden states dumped for them (refused if dumped from another target)."""
+    check_fits_context(recipe.data, target.config.max_position_embeddings)
     if rank != 0:
         dist.barrier()
     vocab_size = target.config.vocab_size
@@ -286,6 +292,11 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     target = load_target(recipe.model, dtype, device, layers=recipe.data.hidden_states is None)
     config = head_config(recipe.model, target.config)
     aux_layers = config.aux_layers_for(target.config)
+    # What a checkpoint's weights and optimizer states fit: the head's config, its layers resolved, and precision.
+    precision = str(dtype).removeprefix("torch.")
+    head_record = dataclasses.asdict(config) | {"aux_layers": aux_layers, "precision": precision}
+    if found:
+        checkpoint.check_same_head(found[-1], head_record)
     data = _prepare_data(recipe, target, aux_layers, rank)
     batches, eval_batches = data.train, data.eval
     # A checkpoint holds the whole head, vocabulary included: resuming reads neither model.init_from again nor this
@@ -372,7 +383,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
                 run_eval()  # even when stopping: a resumed run does not redo this step's evaluation
             saved = bool(recipe.checkpoint.every) and step % recipe.checkpoint.every == 0
             if saved or signalled:
-                path = checkpoint.save(engine, ckpt_root, step, position, data_order, recipe.checkpoint.keep_last)
+                path = checkpoint.save(engine, ckpt_root, step, position, data_order, head_record,
+                                       recipe.checkpoint.keep_last)
             if signalled:
                 if rank == 0:
                     tqdm.write(f"train-eagle: stopped by {stop.name or 'a signal to another rank'} at step {step}; "
@@ -426,5 +438,6 @@ def dump(recipe: TrainRecipe) -> Path:
     device = torch.device(get_accelerator().device_name(0))
     target = load_target(recipe.model, _dtype(recipe.model, device), device)
     aux_layers = head_config(recipe.model, target.config).aux_layers_for(target.config)
+    check_fits_context(recipe.data, target.config.max_position_embeddings)
     dump_hidden_states(target, load_rows(recipe, target.config.vocab_size), recipe.data.hidden_states, aux_layers)
     return Path(recipe.data.hidden_states)

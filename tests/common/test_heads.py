@@ -198,6 +198,25 @@ def test_malformed_eagle3_checkpoint_names_the_tensor(tmp_path, edit, message):
         load_draft_head(tmp_path / "head")
 
 
+@pytest.mark.parametrize("cut", [4, -16])  # the file cut inside its header length, inside its last tensor
+def test_a_truncated_weights_file_is_named(tmp_path, cut):
+    write_public_eagle3(tmp_path / "head")
+    weights = tmp_path / "head/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:cut])
+    with pytest.raises(CheckpointError, match=f"{weights}: not a readable safetensors file"):
+        load_draft_head(tmp_path / "head")
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"eagle_config": [1, 15, 28]}, "field 'eagle_config' should be an object, got list"),
+    ({"draft_vocab_size": 0}, "field 'draft_vocab_size' must be >= 1, got 0"),
+])
+def test_malformed_head_config_values_are_named(tmp_path, fields, words):
+    write_public_eagle3(tmp_path / "head", **fields)
+    with pytest.raises(ConfigError, match=words):
+        load_draft_head(tmp_path / "head")
+
+
 def test_config_field_of_wrong_type_is_named(tmp_path):
     write_public_eagle3(tmp_path / "head", hidden_size="32")
     with pytest.raises(ConfigError, match="field 'hidden_size'"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eyas.common.attention import CausalAttention, MaskedAttention
-from eyas.common.config import TargetConfig
+from eyas.common.config import ConfigError, TargetConfig
 from eyas.common.target import TargetModel
 from tests.conftest import FAMILIES, hf_config_dict
 
@@ -42,6 +42,23 @@ def test_sliding_window_caps_the_context_only_where_used(family, switch, context
     assert cfg.max_position_embeddings == context
     uses = AutoConfig.for_model(**values).sliding_window is not None
     assert uses == (context == 1024)
+
+
+@pytest.mark.parametrize("family, fields, words", [
+    ("llama", {"rope_scaling": [8.0]}, "field 'rope_scaling' should be an object, got list [8.0]"),
+    ("llama", {"rope_parameters": "llama3"}, "field 'rope_parameters' should be an object, got str"),
+    ("llama", {"text_config": 3}, "field 'text_config' should be an object, got int 3"),
+    ("mistral", {"sliding_window": True}, "field 'sliding_window' should be a positive integer or null, got True"),
+    ("mistral", {"sliding_window": 0}, "field 'sliding_window' should be a positive integer or null, got 0"),
+    ("llama", {"num_key_value_heads": 0}, "field 'num_key_value_heads' must be >= 1, got 0"),
+    ("llama", {"num_attention_heads": 0, "head_dim": 16}, "field 'num_attention_heads' must be >= 1, got 0"),
+    ("llama", {"num_hidden_layers": 0}, "field 'num_hidden_layers' must be >= 1, got 0"),
+])
+def test_malformed_config_values_are_named(family, fields, words):
+    """Each used to fail far from the file (a TypeError, a ZeroDivisionError, or blame on another field)."""
+    with pytest.raises(ConfigError) as refused:
+        TargetConfig.from_hf(hf_config_dict(family, **fields), source="t/config.json")
+    assert str(refused.value).startswith("t/config.json") and words in str(refused.value)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

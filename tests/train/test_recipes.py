@@ -103,12 +103,28 @@ def test_unknown_recipe_name():
         recipe_path("no-such-recipe")
 
 
+def test_a_directory_named_like_a_recipe_is_not_one(tmp_path, monkeypatch):
+    """An earlier `--output ci-tiny` in the working directory leaves the packaged recipe reachable by name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ci-tiny").mkdir()
+    assert recipe_path("ci-tiny") == RECIPES_DIR / "ci-tiny.yaml"
+
+
 @pytest.mark.parametrize("recipe, overrides, words", [
     ("ci-tiny", ["optim.warmup_steps=100", "optim.total_steps=2"], ["optim", "warmup_steps <= total_steps"]),
     ("ci-tiny", ["optim.warmupsteps=1"], ["unknown key 'optim.warmupsteps'"]),
     ("no-such-recipe", [], ["recipe 'no-such-recipe': no such file", "ci-tiny"]),
     ("ci-tiny", ["data.synthetic=null", "data.path=missing.jsonl", "data.tokenizer=smollm2-135m-instruct"],
      ["data.path: ", "'missing.jsonl' is neither an existing path"]),
+    ("ci-tiny", ["model.aux_layers=[1, 2, 9]"], ["model.aux_layers: aux layers (1, 2, 9) do not exist in a target "
+                                                 "of 4 layers"]),
+    ("ci-tiny", ["model.aux_layers=[1, 2]"], ["model", "aux_layers must name 3 target layers"]),
+    ("ci-tiny", ["model.draft_vocab_size=0"], ["model", "draft_vocab_size must be >= 1"]),
+    ("ci-tiny", ["data.synthetic.batch_size=0"], ["data.synthetic", "need num_batches, batch_size, seq_len >= 1"]),
+    ("ci-tiny", ["optim.betas=[0.9]"], ["optim", "betas must be two numbers in [0, 1)"]),
+    ("ci-tiny", ["optim.lr=-1"], ["optim", "need lr, min_lr, weight_decay and grad_clip >= 0"]),
+    ("ci-tiny", ["data.synthetic.seq_len=4097"], ["data.synthetic.seq_len 4097 exceeds the target's context of "
+                                                  "4096 tokens"]),
 ])
 def test_cli_reports_a_bad_recipe_as_a_usage_error(recipe, overrides, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

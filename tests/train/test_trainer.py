@@ -175,6 +175,22 @@ def test_a_checkpoint_resumes_only_where_its_position_means_the_same_rows(full_r
     assert words in str(refused.value) and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["model.draft_vocab_size=32"], "draft_vocab_size: 64 then, 32 now"),
+    (["model.aux_layers=[1, 2, 3]"], "aux_layers: [2, 2, 1] then, [1, 2, 3] now"),
+    (["model.precision=bf16"], "precision: 'float32' then, 'bfloat16' now"),
+])
+def test_a_checkpoint_resumes_only_into_the_head_it_holds(full_run, tmp_path, overrides, words):
+    """Another head shape, fused layers or precision is refused by name before the checkpoint loads (a head of
+    other layers would train on silently; one of another shape failed inside DeepSpeed's load)."""
+    _, run = full_run
+    shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ConfigError) as refused:
+        train(load_recipe("ci-tiny", QUIET + overrides), tmp_path)
+    assert words in str(refused.value) and "step_8 holds another head" in str(refused.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_durable_replace_flushes_everything_then_swaps(tmp_path, monkeypatch):
     """Every file and directory of the new checkpoint reaches the disk before the rename, the renames after it; the
     old directory of the same name is replaced whole."""
