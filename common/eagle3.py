@@ -13,6 +13,7 @@ later steps feed the head its own `out`. The token embedding is the target's (fr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,6 +200,22 @@ class Eagle3Head(nn.Module):
     def set_hot_vocab(self, vocab: HotVocab) -> None:
         self.d2t.copy_(vocab.d2t)
         self.t2d.copy_(vocab.t2d)
+
+    def keep_draft_tokens(self, allowed: HotVocab) -> int:
+        """Restricts the draft vocabulary to its tokens that `allowed` holds (an FR-Spec map of the most frequent
+        tokens): the lm_head keeps their rows, in the head's order, so each draft pass reads and ranks fewer. The
+        served tokens stay the target's; only what the draft can propose narrows. Returns the tokens kept."""
+        hot = self.hot_vocab
+        rows = allowed.t2d.to(hot.hot_ids.device)[hot.hot_ids].nonzero().flatten()  # [kept] lm_head rows
+        if rows.numel() == 0:
+            raise ValueError("the token map holds none of the head's draft tokens")
+        kept = HotVocab(hot.hot_ids[rows], self.config.vocab_size)
+        self.config = dataclasses.replace(self.config, draft_vocab_size=rows.numel())
+        weight = self.lm_head.weight
+        self.lm_head.weight = nn.Parameter(weight.detach()[rows], requires_grad=weight.requires_grad)
+        self.lm_head.out_features = rows.numel()
+        self.d2t, self.t2d = kept.d2t, kept.t2d.clone()
+        return rows.numel()
 
     def project_target(self, target: TargetOutput) -> Tensor:
         """The target's captured streams aux [B, T, 3·Ht] -> first-step hidden input [B, T, H]."""

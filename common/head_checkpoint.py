@@ -74,8 +74,9 @@ def load_draft_head(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> DraftHead:
-    """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head; `token_map`
-    (an FR-Spec `freq_N.pt`) restricts it. `dtype` None keeps the checkpoint's."""
+    """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head; `token_map` (an FR-Spec
+    `freq_N.pt`) restricts that lm_head, or an EAGLE-3 head's own draft vocabulary, to the tokens it names.
+    `dtype` None keeps the checkpoint's."""
     path = Path(path)
     config_path = head_config_path(path)
     source = str(config_path)
@@ -92,8 +93,6 @@ def load_draft_head(
         if target is not None:
             head.attach_lm_head(target.lm_head_weight.to(device))
     else:
-        if token_map:
-            raise ConfigError(f"{path}: an EAGLE-3 head carries its draft vocabulary (d2t); drop the token map")
         if kind == "speculators":
             cfg = _speculators_layer_config(cfg, source)
         # Speculators and newer SGLang/vLLM heads name the layer `layers.0`; ours is `midlayer`.
@@ -105,6 +104,12 @@ def load_draft_head(
             head = Eagle3Head(config)
         load_strict(head, tensors, source=str(path), dtype=dtype, device=device, ignore=("embed_tokens.weight",))
         _check_vocab_maps(head, str(path))
+        if token_map:
+            allowed = HotVocab.load_token_map(token_map, config.vocab_size)
+            try:
+                head.keep_draft_tokens(allowed)
+            except ValueError as err:
+                raise ConfigError(f"token map {token_map}, for the head {path}: {err}") from err
     head.rotary.reset_parameters(device)
     return head.eval()
 

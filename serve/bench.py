@@ -39,6 +39,7 @@ from eyas.data.tokenizer import render_chat
 
 from .autotune import format_setting, parse_setting, write_autotune
 from .commands import (
+    TOKEN_MAP_HELP,
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name")
     parser.add_argument("--draft", help="a draft head directory")
-    parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
+    parser.add_argument("--token-map", help=TOKEN_MAP_HELP)
     parser.add_argument("--random-weights", action="store_true",
                         help="random target and head of --arch, instead of --target and --draft")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))

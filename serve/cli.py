@@ -4,7 +4,7 @@
     serve-eagle --speculative off                      # the same target, no head
     serve-eagle --target path/to/Llama-3.1-8B-Instruct --draft path/to/eagle3-head \\
         --num-steps 5 --topk 8 --num-draft-tokens 32 --host 0.0.0.0 --port 8000 --dtype bfloat16
-    serve-eagle --target model.gguf --draft eagle-head --token-map freq_32768.pt   # EAGLE-1/2 + FR-Spec map
+    serve-eagle --target model.gguf --draft eagle-head --token-map freq_32768.pt   # with an FR-Spec map
     serve-eagle --recipe smollm2-135m --port 9000      # recipes/serve/smollm2-135m.yaml; flags override it
 
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
@@ -25,7 +25,7 @@ import yaml
 from eyas.common.assets import DEFAULT_TARGET
 
 from .autotune import read_autotune
-from .commands import add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
+from .commands import TOKEN_MAP_HELP, add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .worker import EngineWorker
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft", type=Path,
                         help=f"draft head directory (EAGLE-3, EAGLE-1/2 or speculators); default with the default "
                              f"target: {QUICKSTART_HEAD}, written by `{QUICKSTART_COMMAND}`")
-    parser.add_argument("--token-map", type=Path, help="FR-Spec token map (freq_N.pt) for an EAGLE-1/2 head")
+    parser.add_argument("--token-map", type=Path, help=TOKEN_MAP_HELP)
     parser.add_argument("--speculative", choices=["on", "off"], default="on",
                         help="off: serve the target alone, one token per step (no head needed)")
     add_tree_arguments(parser, TreeShape())

@@ -110,6 +110,12 @@ def tree_setting(text: str) -> TreeShape | None:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+TOKEN_MAP_HELP = ("an FR-Spec token map (freq_N.pt: token ids, most frequent first, as `python -m eyas.data.vocab` "
+                  "writes): an EAGLE-1/2 head drafts from those rows of the target's lm_head; an EAGLE-3 head keeps "
+                  "the tokens of its own draft vocabulary that the map names, so each draft pass reads and ranks "
+                  "fewer lm_head rows")
+
+
 class Models(NamedTuple):
     target: TargetModel
     head: DraftHead | None
@@ -120,7 +126,7 @@ class Models(NamedTuple):
 def load_models(target: str | Path, draft: str | Path | None = None, token_map: str | Path | None = None,
                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Models:
     """The target (a path or packaged model name), its tokenizer and, when `draft` is given, the draft head,
-    restricted by `token_map` (an FR-Spec freq_N.pt, for EAGLE-1/2 heads). `dtype` None: bf16 on CUDA, fp32
+    restricted by `token_map` (an FR-Spec freq_N.pt: `TOKEN_MAP_HELP`). `dtype` None: bf16 on CUDA, fp32
     elsewhere. A missing target, head or token map raises FileNotFoundError naming it."""
     if draft is not None:  # before the target is fetched or loaded (many GB): a wrong --draft fails at once
         head_config_path(draft)

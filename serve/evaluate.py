@@ -42,6 +42,7 @@ from eyas.data.conversations import Conversation, read_json_lines
 
 from .clients import Client, EndpointClient, EngineClient
 from .commands import (
+    TOKEN_MAP_HELP,
     add_engine_arguments,
     add_sampling_arguments,
     add_tree_arguments,
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
     parser.add_argument("--draft", help="the draft head directory (in-process)")
-    parser.add_argument("--token-map", help="an FR-Spec freq_N.pt (EAGLE-1/2 heads)")
+    parser.add_argument("--token-map", help=TOKEN_MAP_HELP)
     parser.add_argument("--endpoint", help="a running server's base URL (e.g. http://127.0.0.1:8000/v1)")
     parser.add_argument("--endpoint-off", help="the same target served with --speculative off, for the speedup")
     parser.add_argument("--model", help="the model name sent to the endpoints (default: the first each lists)")

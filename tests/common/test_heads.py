@@ -252,6 +252,27 @@ def test_eagle_head_with_fr_spec_token_map(tmp_path):
     assert head.hot_vocab.to_target(torch.tensor([0, 2])).tolist() == [7, 99]
 
 
+def test_eagle3_head_with_fr_spec_token_map(tmp_path):
+    """A map restricts an EAGLE-3 head's own draft vocabulary: the kept tokens' lm_head rows, in the head's order
+    (the map's ids outside the head's vocabulary are ignored); saved, it loads as the smaller head it is."""
+    t = write_public_eagle3(tmp_path / "head")
+    hot = (t["d2t"] + torch.arange(DV)).tolist()  # the head's target ids, ascending
+    others = [i for i in range(V) if i not in hot]
+    freq = [hot[7], others[0], hot[2], hot[11]]  # most frequent first; the second is not the head's
+    HotVocab(torch.tensor(freq), V).save_token_map(tmp_path / "freq_4.pt")
+    full = load_draft_head(tmp_path / "head")
+    head = load_draft_head(tmp_path / "head", token_map=tmp_path / "freq_4.pt")
+    assert head.config.draft_vocab_size == 3 and head.hot_vocab.hot_ids.tolist() == [hot[2], hot[7], hot[11]]
+    out = torch.randn(1, 3, H)
+    torch.testing.assert_close(head.logits(out), full.logits(out)[..., [2, 7, 11]], rtol=1e-6, atol=1e-6)
+    save_eagle3(head, tmp_path / "small")
+    again = load_draft_head(tmp_path / "small")
+    assert again.config == head.config and torch.equal(again.logits(out), head.logits(out))
+    HotVocab(torch.tensor(others[:3]), V).save_token_map(tmp_path / "none.pt")
+    with pytest.raises(ConfigError, match="none.pt, for the head .*holds none of the head's draft tokens"):
+        load_draft_head(tmp_path / "head", token_map=tmp_path / "none.pt")
+
+
 def test_eagle_head_missing_bias_is_named(tmp_path):
     write_public_eagle(tmp_path / "head", with_bias=False)
     cfg = json.loads((tmp_path / "head/config.json").read_text())

@@ -634,6 +634,31 @@ def test_draft_fp8_stays_exact_and_keeps_acceptance_cuda(hf_checkpoint, trained)
     check_draft_fp8(cuda_target, trained, SHAPES["chain"], 1)
 
 
+def test_eagle3_head_restricted_by_a_token_map_keeps_the_target_s_output(target, trained):
+    """FR-Spec on an EAGLE-3 head (`Eagle3Head.keep_draft_tokens`). Kept to the tokens the target says, most frequent
+    first, the head accepts about as much as whole; kept to tokens the target never says, it drafts only those, and
+    nothing is accepted. The output is the target's either way."""
+    head, ps, _ = trained
+    ps, vocab = ps[:8], target.config.vocab_size
+    reference = [list(greedy_tokens(target, p, 32)) for p in ps]
+    # Past the 32 tokens too: a last step may accept drafts beyond the requests' ends.
+    said = torch.bincount(torch.tensor([t for p in ps for t in greedy_tokens(target, p, 48)]), minlength=vocab)
+    maps = {"whole": None, "said": HotVocab.from_counts(said, int((said > 0).sum()), order="by_frequency"),
+            "never said": HotVocab((said == 0).nonzero().flatten(), vocab)}
+    taus = {}
+    for name, allowed in maps.items():
+        restricted = copy.deepcopy(head)
+        if allowed is not None:
+            restricted.keep_draft_tokens(allowed)
+            assert restricted.lm_head.weight.shape[0] == restricted.config.draft_vocab_size < vocab
+        engine = Engine(target, restricted, EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=512))
+        requests = engine.generate(ps, GREEDY, max_new_tokens=32)
+        assert [r.output for r in requests] == reference, name
+        accepted = [a for r in requests for a in r.accepted]
+        taus[name] = 1 + sum(accepted) / len(accepted)
+    assert taus["said"] > 0.9 * taus["whole"] and taus["whole"] > 1.5 and taus["never said"] == 1, taus
+
+
 def test_eagle1_head_with_token_map_equals_target_greedy(target, tmp_path):
     """An EAGLE-1/2 head (the target's lm_head restricted by an FR-Spec map) through the same engine."""
     from eyas.common.eagle import EagleConfig, EagleHead
