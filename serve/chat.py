@@ -39,10 +39,14 @@ def main(argv: list[str] | None = None) -> None:
 
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
+    prompt = render_chat(tokenizer, messages)
+    if len(prompt) > model.config.max_position_embeddings:
+        parser.error(f"the prompt has {len(prompt)} tokens; {path.name}'s context holds "
+                     f"{model.config.max_position_embeddings}")
     stops = stop_token_ids(tokenizer)
     text, count = TextStream(tokenizer), 0
     started = time.perf_counter()
-    for token in greedy_tokens(model, render_chat(tokenizer, messages), args.max_new_tokens, stop_ids=stops):
+    for token in greedy_tokens(model, prompt, args.max_new_tokens, stop_ids=stops):
         if token in stops:
             break
         count += 1

@@ -109,11 +109,11 @@ class EndpointClient(Client):
 
     def _served_model(self) -> str:
         response = self.client.get("/models")
-        models = response.json().get("data") if response.status_code == 200 else None
-        if not models:
+        model = _field(response, lambda data: data["data"][0]["id"]) if response.status_code == 200 else None
+        if not isinstance(model, str):
             raise RuntimeError(f"{self.base_url}: GET /models gave HTTP {response.status_code} "
                                f"{response.text[:200]!r}, no model to send; name one with --model")
-        return models[0]["id"]
+        return model
 
     def _one(self, prompt: Conversation) -> Answer | None:
         response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
@@ -125,9 +125,13 @@ class EndpointClient(Client):
             return None
         if response.status_code != 200:
             raise RuntimeError(f"{self.base_url}: HTTP {response.status_code}: {response.text[:500]}")
-        data = response.json()
-        accepted = (data.get("eyas") or {}).get("accepted_per_step") or []
-        return Answer(data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"], accepted)
+        answer = _field(response, lambda data: Answer(
+            data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"],
+            (data.get("eyas") or {}).get("accepted_per_step") or []))
+        if answer is None:
+            raise RuntimeError(f"{self.base_url}: POST /chat/completions gave HTTP 200 but not an OpenAI chat "
+                               f"completion: {response.text[:500]!r}")
+        return answer
 
     def submit(self, prompt: Conversation) -> object:
         future = Future()
@@ -149,10 +153,16 @@ class EndpointClient(Client):
         return [(future, future.result()) for future in done]
 
 
+def _field(response, read):
+    """read(the response's JSON), or None where the body is not JSON or not of the shape `read` expects (a page
+    from a proxy, another API)."""
+    try:
+        return read(response.json())
+    except (ValueError, LookupError, TypeError, AttributeError):
+        return None
+
+
 def _error(response) -> dict:
     """An OpenAI-shaped error body's `error` object ({} for any other body)."""
-    try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return {}
+    error = _field(response, lambda data: data["error"])
     return error if isinstance(error, dict) else {}

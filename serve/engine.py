@@ -57,7 +57,7 @@ from eyas.common.target import TargetModel, TargetOutput
 from .accept import TORCH_ACCEPT
 from .attention import attention_backend
 from .attention.paged import slots_of
-from .autotune import TreeByBatch, setting_for
+from .autotune import TreeByBatch, format_setting, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket, length_bucket, length_buckets
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
@@ -210,6 +210,13 @@ class Engine:
         self.graphs = GraphCache(self.device, self.config.cuda_graphs and self.attention.graph_safe)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
+        for shape in self.trees:  # refused here, not at a request's first step
+            if shape.topk > head.config.draft_vocab_size:
+                raise ValueError(f"tree {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
+                                 f"vocabulary of {head.config.draft_vocab_size} tokens")
+        if self.reserve >= self.context_limit:
+            raise ValueError(f"trees {[format_setting(t) for t in self.trees]} need {self.reserve} positions a step "
+                             f"beyond the prompt; the context holds {self.context_limit}")
         self.aux_layers: tuple[int, ...] = ()
         self.drafter = None  # None: no speculation
         if head is not None:
@@ -440,18 +447,19 @@ class Engine:
     @torch.no_grad()
     def _prefill(self, requests: list[Request]) -> None:
         """One chunk of each request's prompt in one target pass, with the first token of each prompt it finishes
-        and the draft's extension over the chunk. Rows are padded to the longest chunk (the padding queries' k/v land
-        past each row's cached positions, or in the scratch block, and are rewritten later). With graphs the batch is
-        padded further to its bucket and the chunks to their `length_bucket`, and the pass is a graph replay,
-        wherever the padded positions stay in the context and the padded batch within `max_prefill_tokens`: run
-        eagerly, a small model's prefill takes longer to launch from Python than to compute (docs/perf.md)."""
+        and the draft's extension over the chunk. Rows are padded to the longest chunk (the padding queries sit at
+        positions past each row's chunk, capped at the context's last, so their k/v land past each row's cached
+        positions, or in the scratch block, and are rewritten later). With graphs the batch is padded further to its
+        bucket and the chunks to their `length_bucket`, and the pass is a graph replay, wherever the padded batch
+        stays within `max_prefill_tokens`: run eagerly, a small model's prefill takes longer to launch from Python
+        than to compute (docs/perf.md)."""
         starts = [r.cached for r in requests]
         chunk = self.config.max_prefill_tokens
         ends = [min(r.prefill_target, s + chunk) for r, s in zip(requests, starts, strict=True)]
         lengths = [e - s for s, e in zip(starts, ends, strict=True)]
         B, T = len(requests), max(lengths)
         rows, columns = batch_bucket(B), length_bucket(T)
-        graphed = self.graphs.enabled and rows * columns <= chunk and max(starts) + columns <= self.context_limit
+        graphed = self.graphs.enabled and rows * columns <= chunk
         pad, T = (rows - B, columns) if graphed else (0, T)
         # The prompts this chunk finishes: their first token comes from the last position.
         first = [b for b, r in enumerate(requests) if ends[b] == r.prefill_target and not r.output]
@@ -467,7 +475,7 @@ class Engine:
             host[b, 2 * T :] = torch.tensor([s, len(own) - 1, b in first])
         ids = to_device(host, self.device)
         # Wide enough for every padded position (past a row's blocks: the scratch block).
-        table = self._block_table(requests, pad, width=self._blocks_for(max(starts) + T))
+        table = self._block_table(requests, pad, width=self._blocks_for(min(max(starts) + T, self.context_limit)))
         name, verify, verify_inputs = self._verification(0, self._sampling(requests, pad, 1, first))
         inputs = (ids[:, :T], ids[:, T : 2 * T], ids[:, 2 * T], ids[:, 2 * T + 1], ids[:, 2 * T + 2] != 0, table,
                   *verify_inputs)
@@ -493,7 +501,8 @@ class Engine:
         the next token there; then the draft's extension with next_tokens [B, T]. -> that token [B], and with a head
         the draft's hidden [B, H] and logits [B, Vd] at each row's last index."""
         B, T = tokens.shape
-        positions = prefix[:, None] + torch.arange(T, device=tokens.device)
+        # A row's padding past the context's end (a short last chunk beside a longer one) stays at its last position.
+        positions = (prefix[:, None] + torch.arange(T, device=tokens.device)).clamp_(max=self.context_limit - 1)
         slots = slots_of(table, positions, self.pool.block_size)
         mask = _causal_mask(T, tokens.device)
         out = self.target(tokens, self.rope(positions),

@@ -23,8 +23,13 @@ def greedy_tokens(
     stop_ids: Sequence[int] = (),
     block_size: int = 16,
 ) -> Iterator[int]:
-    """Yields up to `max_new_tokens` greedy tokens after `prompt_ids`, stopping after a stop id."""
+    """Yields up to `max_new_tokens` greedy tokens after `prompt_ids`, stopping after a stop id or where the next
+    token would be read at a position past the model's context. ValueError: the prompt alone is longer."""
     cfg = model.config
+    context = cfg.max_position_embeddings
+    if len(prompt_ids) > context:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}")
+    max_new_tokens = min(max_new_tokens, context - len(prompt_ids) + 1)  # the last one read at position context - 1
     device = model.embed_tokens.weight.device
     total = len(prompt_ids) + max_new_tokens
     pool = KVPool(

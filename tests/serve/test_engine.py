@@ -4,6 +4,7 @@ returned; preemption and aborts never lose or corrupt a request."""
 import collections
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -224,9 +225,9 @@ def test_fixed_shapes_of_cuda_graphs_change_nothing(target, shape, monkeypatch):
 
 def test_prefill_in_buckets_where_they_fit(target, monkeypatch):
     """With graphs a prefill chunk runs padded to its batch bucket and length bucket (here on CPU, uncaptured),
-    except where the padded positions would pass the context's end: that chunk runs as it is. Output and acceptance
-    are the unpadded engine's, the output the target's. (`test_drafted_tree_equals_uncached_drafting` checks the
-    draft's state after a padded prefill.)"""
+    also where the padded positions would pass the context's end (they stay at its last position). Output and
+    acceptance are the unpadded engine's, the output the target's. (`test_drafted_tree_equals_uncached_drafting`
+    checks the draft's state after a padded prefill.)"""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)
     ps = prompts(3, target.config.vocab_size, seed=9)
     ps[0] = (ps[0] * 10)[:170]  # the context is 192 positions; its length bucket, 256, is not
@@ -245,8 +246,27 @@ def test_prefill_in_buckets_where_they_fit(target, monkeypatch):
             engine.step()
         runs.append([(r.output, r.accepted) for r in requests])
     assert runs[0] == runs[1] and [output for output, _ in runs[0]] == [list(greedy_tokens(target, p, 10)) for p in ps]
-    # The long prompt ran unpadded; the other two, admitted together once it ended, as one padded chunk.
-    assert padded == [(2, length_bucket(max(map(len, ps[1:]))))]
+    # The long prompt ran padded past the context's end; the other two, admitted together once it ended, as one
+    # padded chunk.
+    assert padded == [(1, 256), (2, length_bucket(max(map(len, ps[1:]))))]
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_a_short_last_chunk_beside_a_longer_one_at_the_context_s_end(target, head):
+    """A long prompt's short last chunk, prefilled beside a newer prompt's longer chunk, is padded to it, past the
+    context's end: the padding stays at the last position (it used to index the rotary table out of range and fail
+    both requests). Both get the target's tokens."""
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (485, 60)]
+    engine = Engine(target, random_head(target) if head else None,
+                    EngineConfig(tree=SHAPES["tree"], speculative=head, block_size=4, num_blocks=256,
+                                 max_prefill_tokens=120))
+    assert engine.context_limit == target.config.max_position_embeddings == 512
+    requests = [engine.add_request(p, GREEDY, 3) for p in ps]
+    while engine.has_work():
+        engine.step()
+    assert [r.output for r in requests] == [list(greedy_tokens(target, p, 3)) for p in ps]
 
 
 @pytest.mark.gpu
@@ -546,6 +566,18 @@ def test_prompt_longer_than_context_is_refused(target):
     engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
     with pytest.raises(ValueError, match="context holds"):
         engine.add_request(list(range(300)), GREEDY, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("config, words", [
+    (EngineConfig(tree_by_batch=((1, TreeShape(2, 40, 8)),), block_size=4, num_blocks=64),
+     "tree 2,40,8: topk 40 is more than the head's draft vocabulary of 32 tokens"),
+    (EngineConfig(tree=TreeShape(3, 20, 600), block_size=4, num_blocks=64),
+     "trees ['3,20,600'] need 601 positions a step beyond the prompt; the context holds 256"),
+])
+def test_a_tree_the_head_or_context_cannot_hold_is_refused_at_start(target, config, words):
+    """Where the engine used to start, then fail each request's first step (a torch error) or refuse every prompt."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Engine(target, random_head(target, draft_vocab=32), config)
 
 
 @pytest.fixture(scope="module")

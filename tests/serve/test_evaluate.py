@@ -163,6 +163,25 @@ def test_endpoint_without_models_asks_for_one():
         EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, empty)
 
 
+@pytest.mark.parametrize("body", [b"<html>sign in</html>", b"[1, 2]", b'{"data": [{"name": "m"}]}', b'{"data": []}'])
+def test_endpoint_whose_models_are_not_openai_s_is_named(body):
+    """A page from a proxy, or JSON of another shape, answered with 200 (a raw JSON or key error before)."""
+    other = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    with pytest.raises(RuntimeError, match=r"http://fake/v1: GET /models gave HTTP 200 .*name one with --model"):
+        EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, other)
+
+
+@pytest.mark.parametrize("body", [b"<html>sign in</html>", b'{"choices": []}', b'{"choices": [{"text": "ok"}]}'])
+def test_endpoint_answering_other_than_a_chat_completion_fails_the_run_by_name(body):
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body if request.url.path.endswith("/completions") else
+                              b'{"data": [{"id": "served"}]}')
+
+    client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
+    with pytest.raises(RuntimeError, match="http://fake/v1: POST /chat/completions gave HTTP 200 but not an OpenAI"):
+        evaluate([["One"]], client, None, depth=3, bench="fake", settings={})
+
+
 def test_endpoint_requests_carry_the_sampling_parameters():
     """Temperature and top-p always; top-k (an extension of the OpenAI API) only when a run sets it."""
     models = httpx.MockTransport(lambda request: httpx.Response(200, json={"data": [{"id": "served"}]}))

@@ -1,5 +1,6 @@
 """Greedy generation over the paged KV cache equals transformers' greedy `generate`."""
 
+import pytest
 import torch
 
 from eyas.common.attention import CausalAttention
@@ -17,6 +18,16 @@ def test_greedy_matches_transformers(hf_checkpoint):
                       pad_token_id=0)[0, len(prompt):].tolist()
     ours = list(greedy_tokens(model, prompt, 40, block_size=4))
     assert ours == ref
+
+
+def test_stops_at_the_context(hf_checkpoint):
+    """The last token is read at the context's last position; a prompt longer than the context is refused."""
+    path, _ = hf_checkpoint("llama")
+    model = TargetModel.from_pretrained(path)
+    context = model.config.max_position_embeddings
+    assert len(list(greedy_tokens(model, [1] * (context - 3), 20))) == 4
+    with pytest.raises(ValueError, match=f"the prompt has {context + 1} tokens; the model's context holds {context}"):
+        next(greedy_tokens(model, [1] * (context + 1), 20))
 
 
 def test_stops_after_stop_token(hf_checkpoint):
