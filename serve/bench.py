@@ -11,7 +11,11 @@ step spends outside those three (scheduling, block tables, input copies), all ti
 time the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output
 tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
 where steps overlap that host time unless `--disable-overlap`; and the speedup over speculation off at the same
-batch size. `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf`
+batch size. With `--autotune` each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs
+it where its setting is off: the head loaded and extended over each step's token (so that other batch sizes' trees
+find it current). The autotune picks each batch size's fastest of the trees and off+head (not the head-less "off",
+which such a server cannot run). `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter
+it). `--compare-hf`
 times Hugging Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at
 random); step costs are what such a run measures.
 """
@@ -52,11 +56,13 @@ from .engine import Engine, EngineConfig, Request, step_reserve
 from .evaluate import load_questions
 from .sampling import SamplingParams
 
+OFF_WITH_HEAD = "off+head"  # the setting label of speculation off with the head kept current (`warm_engine`)
+
 
 @dataclass
 class Result:
     batch_size: int
-    setting: str  # "off" or "steps,topk,tokens"
+    setting: str  # "off", OFF_WITH_HEAD or "steps,topk,tokens"
     tau: float
     step_ms: float
     draft_ms: float
@@ -99,13 +105,14 @@ def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     return (prompts * n)[:n]
 
 
-def token_prompts(path: Path) -> list[list[int]]:
-    """A JSONL of {"prompt_ids": [int, ...]} per line -> the prompts."""
+def token_prompts(path: Path, vocab_size: int) -> list[list[int]]:
+    """A JSONL of {"prompt_ids": [int, ...]} per line (ids in [0, vocab_size)) -> the prompts."""
     prompts = []
     for place, row in read_json_lines(path):
         ids = row.get("prompt_ids")
-        if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
-            raise ValueError(f"{path}, {place}: expected 'prompt_ids', a non-empty list of token ids")
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)):
+            raise ValueError(f"{path}, {place}: expected 'prompt_ids', a non-empty list of token ids in [0, "
+                             f"{vocab_size})")
         prompts.append(ids)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
@@ -116,19 +123,28 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
-                params: SamplingParams = GREEDY, **options) -> Engine:
-    """An engine for one setting (speculation off when `shape` is None) with KV room for `batch_size` of `prompts`
-    and `max_new_tokens` each, after an untimed run of that work (`generate_all`). Triton compiles a kernel variant
-    the first time a shape class appears (prompt lengths, batch buckets, acceptance lengths) and each bucket's CUDA
-    graphs are captured on first use: seconds that a serving process pays once, and a timed first run would charge
-    to one setting."""
+                params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Engine:
+    """An engine for one setting (speculation off when `shape` is None; with `head_kept` the head is still loaded
+    and extended over each step's token, as an autotuned server runs a batch size whose setting is off) with KV room
+    for `batch_size` of `prompts` and `max_new_tokens` each, after an untimed run of that work (`generate_all`).
+    Triton compiles a kernel variant the first time a shape class appears (prompt lengths, batch buckets, acceptance
+    lengths) and each bucket's CUDA graphs are captured on first use: seconds that a serving process pays once, and
+    a timed first run would charge to one setting."""
     block_size = 16
     longest = max(len(p) for p in prompts) + max_new_tokens + step_reserve([shape] if shape else [])
-    config = EngineConfig(speculative=shape is not None, tree=shape or TreeShape(), max_batch_size=batch_size,
-                          block_size=block_size, num_blocks=batch_size * -(-longest // block_size), **options)
-    engine = Engine(target, head if shape else None, config)
+    speculative = shape is not None or head_kept
+    config = EngineConfig(speculative=speculative, tree=shape or TreeShape(), max_batch_size=batch_size,
+                          tree_by_batch=((batch_size, None),) if head_kept else (), block_size=block_size,
+                          num_blocks=batch_size * -(-longest // block_size), **options)
+    engine = Engine(target, head if speculative else None, config)
     generate_all(engine, prompts, max_new_tokens, batch_size, params)
     return engine
+
+
+def batch_prompt_count(batch_size: int, num_prompts: int) -> int:
+    """The prompts a batch size runs: `num_prompts`, rounded up to whole batches (a last, smaller batch would count
+    a smaller batch's steps in this one's figures)."""
+    return batch_size * -(-num_prompts // batch_size)
 
 
 def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: SamplingParams = GREEDY
@@ -139,11 +155,11 @@ def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: Sa
 
 
 def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
-                params: SamplingParams = GREEDY, **options) -> Result:
+                params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Result:
     """Generates for every prompt, `batch_size` at a time, after the same untimed run (`warm_engine`): tokens/s
     (prefill included) and τ, unsynchronised; then the step split from the first batch run again with each phase
     timed. `options`: further EngineConfig fields."""
-    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, **options)
+    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -161,7 +177,7 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     engine.generate(prompts[:batch_size], params, max_new_tokens)
     t, steps = engine.timings, max(engine.decode_steps, 1)
     return Result(
-        batch_size, format_setting(shape), tau,
+        batch_size, OFF_WITH_HEAD if head_kept else format_setting(shape), tau,
         1e3 * (t["draft"] + t["verify"] + t["accept"]) / steps,
         1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
         1e3 * (t["decode"] - t["draft"] - t["verify"] - t["accept"]) / steps, 1e3 * t["prefill"],
@@ -257,6 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype = default_dtype(args.device)
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
+    for flag, values in (("--input-len", [args.input_len]), ("--num-prompts", [args.num_prompts]),
+                         ("--batch-sizes", args.batch_sizes)):
+        if min(values) < 1:
+            parser.error(f"{flag} must be at least 1, got {min(values)}")
+    for flag, path in (("--json", args.json), ("--autotune", args.autotune)):
+        if path is not None and not path.parent.is_dir():  # found out now, not after the whole sweep
+            parser.error(f"{flag} {path}: no directory {path.parent}")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         parser.error(f"--draft-vocab must be at least 1, got {args.draft_vocab}")
     params = sampling_params(parser, args)
@@ -279,31 +302,39 @@ def main(argv: list[str] | None = None) -> None:
         if not (args.target and args.draft):
             parser.error("give --target and --draft, or --random-weights")
         target, head, tokenizer, path = load_models(args.target, args.draft, args.token_map, args.device, dtype)
-    n = max(args.num_prompts, *args.batch_sizes)
-    if args.prompts in PROMPT_SETS:
-        prompts = chat_prompts(args.prompts, tokenizer, n, args.input_len)
-    elif args.prompts:
-        try:
-            prompts = token_prompts(Path(args.prompts))
-        except (OSError, ValueError) as e:
-            parser.error(f"--prompts: {e}")
-        prompts = (prompts * n)[:n]
-    else:
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
+    n = max(batch_prompt_count(bs, args.num_prompts) for bs in args.batch_sizes)
+    try:
+        if args.prompts in PROMPT_SETS:
+            prompts = chat_prompts(args.prompts, tokenizer, n, args.input_len)
+        elif args.prompts:
+            prompts = (token_prompts(Path(args.prompts), target.config.vocab_size) * n)[:n]
+        else:
+            g = torch.Generator().manual_seed(0)
+            prompts = torch.randint(0, target.config.vocab_size, (n, args.input_len), generator=g).tolist()
+    except (OSError, ValueError) as e:
+        parser.error(f"--prompts: {e}")
+    context, reserve = target.config.max_position_embeddings, step_reserve(args.trees)
+    if (longest := max(map(len, prompts))) + args.output_len + reserve - 1 > context:  # else outputs would be cut
+        parser.error(f"prompts of up to {longest} tokens, --output-len {args.output_len} and the trees' "
+                     f"{reserve - 1} positions of a step's drafts pass the target's context of {context} tokens")
+    for shape in args.trees:  # before the sweep, not when its engine is built
+        if shape.topk > head.config.draft_vocab_size:
+            parser.error(f"--trees {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
+                         f"vocabulary of {head.config.draft_vocab_size} tokens")
 
     options = engine_options(args)
     results: list[Result] = []
     for bs in args.batch_sizes:
-        batch_prompts = prompts[:max(bs, args.num_prompts)]
+        batch_prompts = prompts[:batch_prompt_count(bs, args.num_prompts)]
         base = run_setting(target, head, None, batch_prompts, args.output_len, bs, params, **options)
         results.append(base)
-        for shape in args.trees:
-            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, params, **options)
+        runs = [(shape, False) for shape in args.trees] + ([(None, True)] if args.autotune else [])
+        for shape, head_kept in runs:
+            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, params, head_kept, **options)
             r.speedup = r.tokens_per_s / base.tokens_per_s
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)
-            print(f"  batch {bs} tree {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
+            print(f"  batch {bs} {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
     print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
           f"{'host':>6} {'prefill':>7} {'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
@@ -325,10 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     # Written before the Hugging Face run, the slowest part: a run stopped there keeps the sweep.
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
-    if args.autotune:
-        fastest = {bs: max((r for r in results if r.batch_size == bs), key=lambda r: r.tokens_per_s)
-                   for bs in args.batch_sizes}
-        write_autotune(args.autotune, {bs: parse_setting(r.setting) for bs, r in fastest.items()})
+    if args.autotune:  # what the server can run: the trees, and off with the head kept
+        fastest = {bs: max((r for r in results if r.batch_size == bs and r.setting != "off"),
+                           key=lambda r: r.tokens_per_s) for bs in args.batch_sizes}
+        write_autotune(args.autotune, {bs: None if r.setting == OFF_WITH_HEAD else parse_setting(r.setting)
+                                       for bs, r in fastest.items()})
     if args.compare_hf:
         hf = hf_tokens_per_s(path, prompts[:args.num_prompts], args.output_len, args.device, dtype)
         best = max((r.tokens_per_s for r in results if r.batch_size == 1), default=None)

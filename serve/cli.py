@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -46,7 +47,10 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
     if not path.exists():
         known = sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml"))
         parser.error(f"--recipe {recipe!r}: no such file, nor a serving recipe (known: {known})")
-    values = yaml.safe_load(path.read_text()) or {}
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        parser.error(f"{path}: not valid YAML: {e}")
     if not isinstance(values, dict):
         parser.error(f"{path}: expected a mapping of flag names to values")
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "recipe")}
@@ -57,6 +61,13 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
         if value is None:
             parser.error(f"{path}: {key} has no value (leave the key out for the default)")
         action, flag = actions[key], actions[key].option_strings[-1]
+        if action.nargs != 0 and not isinstance(value, bool):  # checked here, where the file and key can be named
+            try:
+                typed = action.type(str(value)) if action.type else str(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{path}: {key}: {value!r} is not a valid value ({e})")
+            if action.choices and typed not in action.choices:
+                parser.error(f"{path}: {key}: {value!r} is not one of {sorted(action.choices)}")
         if action.nargs == 0:  # a switch: given when true
             if not isinstance(value, bool):
                 parser.error(f"{path}: {key} is true or false, got {value!r}")
@@ -97,14 +108,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", help="a serving recipe (YAML of these flags; flags given here override it)")
     argv = sys.argv[1:] if argv is None else argv
     known, _ = parser.parse_known_args(argv)
+    typed = given_flags(parser, argv)  # on the command line, not from the recipe
     if known.recipe:
         argv = recipe_arguments(known.recipe, parser) + argv
     args = parser.parse_args(argv)
     args.tree = tree_shape(parser, args)
     try:
         args.tree_by_batch = read_autotune(args.autotune) if args.autotune else ()
+        args.engine = EngineConfig(tree=args.tree, tree_by_batch=args.tree_by_batch, mem_fraction=args.mem_fraction,
+                                   max_batch_size=args.max_batch_size, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
+    # Flags typed here that another setting would silently override (a recipe's are overridden by design).
+    if args.speculative == "off":
+        ignored = [f for f in ("draft", "token_map", "autotune") if f in typed]
+        if ignored:
+            parser.error(f"--speculative off serves the target alone: {_flags(ignored)} would be ignored")
+    if args.autotune and (trees := [f for f in ("num_steps", "topk", "num_draft_tokens") if f in typed]):
+        parser.error(f"--autotune sets the tree per batch size: {_flags(trees)} would be ignored")
     if args.speculative == "on" and args.draft is None:
         if args.target != DEFAULT_TARGET:
             parser.error("--draft is required with --target (or serve without a head: --speculative off)")
@@ -114,6 +135,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"or give one with --draft DIR, or serve without a head: serve-eagle --speculative off")
         args.draft = QUICKSTART_HEAD
     return args
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags in `argv` (abbreviated ones too), as argparse reads them: parsed with every
+    default suppressed, so a flag given its default value still counts."""
+    defaults = {action: action.default for action in parser._actions}
+    for action in defaults:
+        action.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_known_args(argv)[0]))
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+
+
+def _flags(dests: list[str]) -> str:
+    return ", ".join("--" + dest.replace("_", "-") for dest in dests)
 
 
 def model_name(spec: str, path: Path) -> str:
@@ -132,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
                                                 args.token_map, args.device, DTYPES.get(args.dtype))
-    config = EngineConfig(speculative=head is not None, tree=args.tree, tree_by_batch=args.tree_by_batch,
-                          mem_fraction=args.mem_fraction,
-                          max_batch_size=args.max_batch_size, **engine_options(args))
+    config = dataclasses.replace(args.engine, speculative=head is not None)
     engine = Engine(target, head, config)
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from eyas.common.architectures import random_target
-from eyas.serve.autotune import read_autotune, setting_for
-from eyas.serve.bench import generate_all, main, random_head, warm_engine
+from eyas.serve import bench
+from eyas.serve.autotune import format_setting, read_autotune, setting_for
+from eyas.serve.bench import OFF_WITH_HEAD, Result, generate_all, main, random_head, warm_engine
 from eyas.serve.draft import TreeShape
 from eyas.serve.engine import Engine
 
@@ -17,10 +18,10 @@ def test_bench_tiny_random(tmp_path, capsys):
           "--batch-sizes", "1", "2", "--num-prompts", "3", "--trees", "3,1,4", "2,2,4", "--device", "cpu",
           "--autotune", str(tmp_path / "autotune.json"), "--json", str(tmp_path / "results.json")])
     table = capsys.readouterr().out
-    assert "speedup" in table and table.count("\n") == 7  # header + 2 batch sizes x 3 settings
+    assert "speedup" in table and table.count("\n") == 9  # header + 2 batch sizes x 4 settings
     results = json.loads((tmp_path / "results.json").read_text())
     assert {(r["batch_size"], r["setting"]) for r in results} == {
-        (b, s) for b in (1, 2) for s in ("off", "3,1,4", "2,2,4")}
+        (b, s) for b in (1, 2) for s in ("off", "3,1,4", "2,2,4", OFF_WITH_HEAD)}
     for r in results:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0 and r["prefill_ms"] > 0
         if r["setting"] == "off":
@@ -30,6 +31,45 @@ def test_bench_tiny_random(tmp_path, capsys):
     # serve-eagle's reader: the same settings, in batch-size order, each batch size mapped to its bucket.
     table = read_autotune(tmp_path / "autotune.json")
     assert [b for b, _ in table] == [1, 2] and setting_for(table, 5) == table[-1][1]
+
+
+@pytest.mark.parametrize("off_with_head, best", [(60.0, "3,1,4"), (90.0, "off")])
+def test_autotune_picks_what_a_server_can_run(monkeypatch, tmp_path, capsys, off_with_head, best):
+    """An autotuned server runs a batch size whose setting is off with the head loaded and kept current: the
+    autotune weighs that run, never the head-less "off", however fast."""
+    speeds = {"off": 100.0, "3,1,4": 80.0, "2,2,4": 50.0, OFF_WITH_HEAD: off_with_head}
+
+    def measured(target, head, shape, prompts, new_tokens, batch_size, params, head_kept=False, **options):
+        setting = OFF_WITH_HEAD if head_kept else format_setting(shape)
+        return Result(batch_size, setting, 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, speeds[setting], 0.0)
+
+    monkeypatch.setattr(bench, "run_setting", measured)
+    main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "3,1,4", "2,2,4",
+          "--device", "cpu", "--autotune", str(tmp_path / "autotune.json")])
+    assert json.loads((tmp_path / "autotune.json").read_text())["best_setting_by_batch_size"] == {"1": best}
+
+
+def test_off_with_the_head_kept_extends_the_head_and_drafts_nothing():
+    target = random_target("tiny", torch.float32, "cpu")
+    prompts = [list(range(3, 20)), list(range(5, 30))]
+    engine = warm_engine(target, random_head(target), None, prompts, 6, 2, head_kept=True)
+    extended = []
+    extend = engine.drafter.extend
+    engine.drafter.extend = lambda *args, **kw: extended.append(1) or extend(*args, **kw)
+    requests = generate_all(engine, prompts, 6, 2)
+    assert setting_for(engine.tree_by_batch, 2) is None and extended
+    assert all(len(r.output) == 6 and r.accepted == [] for r in requests)
+
+
+def test_every_batch_is_whole(monkeypatch, capsys):
+    """--num-prompts is rounded up to whole batches: a last, smaller batch would be timed as this batch size."""
+    rows = []
+    sampling = Engine._sampling
+    monkeypatch.setattr(Engine, "_sampling", lambda self, requests, *args: rows.append(len(requests)) or sampling(
+        self, requests, *args))
+    main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "4", "--batch-sizes", "2",
+          "--num-prompts", "3", "--trees", "2,1,3", "--device", "cpu"])
+    assert rows and set(rows) == {2}
 
 
 @pytest.mark.parametrize("tree, message", [("7,1", "expected 'off' or 'num_steps,topk,num_draft_tokens', got '7,1'"),
@@ -58,7 +98,12 @@ def test_bench_at_a_temperature_samples(monkeypatch, capsys):
                                          (["--draft", "head", "--compare-hf"],
                                           "--random-weights measures a random model of --arch: --draft, --compare-hf "
                                           "would be ignored"),
-                                         (["--draft-vocab", "0"], "--draft-vocab must be at least 1, got 0")])
+                                         (["--draft-vocab", "0"], "--draft-vocab must be at least 1, got 0"),
+                                         (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+                                         (["--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
+                                         (["--input-len", "-3"], "--input-len must be at least 1, got -3"),
+                                         (["--json", "no/such/dir/r.json"], "--json no/such/dir/r.json: no directory"),
+                                         (["--autotune", "no/dir/a.json"], "--autotune no/dir/a.json: no directory")])
 def test_arguments_it_cannot_use_are_usage_errors(args, words, capsys):
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
         main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
@@ -76,6 +121,18 @@ def test_draft_vocab_sizes_the_random_head(monkeypatch, capsys):
           "--draft-vocab", "100", "--device", "cpu"])
     assert heads and all(h.lm_head.out_features == h.config.draft_vocab_size == 100 for h in heads)
     assert "speedup" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--draft-vocab", "2", "--trees", "2,4,8"], "--trees 2,4,8: topk 4 is more than the head's draft vocabulary of 2"),
+    (["--input-len", "5000"], "prompts of up to 5000 tokens, --output-len 128 and the trees' 48 positions of a step's "
+                              "drafts pass the target's context"),
+])
+def test_settings_the_model_cannot_run_are_usage_errors_before_the_sweep(args, words, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run_setting", lambda *args, **kw: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_draft_vocab_of_a_trained_head_is_a_usage_error(capsys):
@@ -101,7 +158,9 @@ def test_chat_prompt_set_with_random_weights_is_a_usage_error(capsys):
 @pytest.mark.parametrize("text, words", [('{"prompt_ids": [1, 2]}\n{"prompt": "Hi"}\n', "p.jsonl, line 2: expected "
                                                                                        "'prompt_ids'"),
                                          ('{"prompt_ids": [1, 2]\n', "p.jsonl, line 1: malformed JSON: Expecting ','"),
-                                         ("\n", "p.jsonl: no prompts")])
+                                         ("\n", "p.jsonl: no prompts"),
+                                         ('{"prompt_ids": [1, 99999]}\n', "p.jsonl, line 1: expected 'prompt_ids', "
+                                          "a non-empty list of token ids in [0, ")])
 def test_bad_token_prompt_file_is_a_usage_error(tmp_path, capsys, text, words):
     path = tmp_path / "p.jsonl"
     path.write_text(text)

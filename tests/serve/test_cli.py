@@ -25,10 +25,15 @@ def test_flags_override_the_recipe():
 
 @pytest.mark.parametrize("text, words", [("target: x\nnum_stepz: 3\n", "unknown key 'num_stepz'"),
                                          ("disable_cuda_graph: 1\n", "disable_cuda_graph is true or false, got 1"),
-                                         ("dtype:\n", "bad.yaml: dtype has no value")])
+                                         ("dtype:\n", "bad.yaml: dtype has no value"),
+                                         ("num_steps: five\n", "bad.yaml: num_steps: 'five' is not a valid value"),
+                                         ("dtype: float64\n", "bad.yaml: dtype: 'float64' is not one of"),
+                                         ("port: [8000, 8001]\n", "bad.yaml: port: [8000, 8001] is not a valid"),
+                                         ("target: [x\n", "bad.yaml: not valid YAML"),
+                                         (b"target: caf\xe9\n", "bad.yaml: not valid YAML")])
 def test_bad_recipe_key_is_named(tmp_path, capsys, text, words):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(text)
+    bad.write_bytes(text) if isinstance(text, bytes) else bad.write_text(text)
     with pytest.raises(SystemExit):
         parse_args(["--recipe", str(bad)])
     assert words in capsys.readouterr().err
@@ -74,6 +79,30 @@ def test_autotune_file_is_read_and_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--recipe", "smollm2-135m", "--autotune", str(path)])
     assert "entry 'one'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--speculative", "off", "--draft", "head"], "--speculative off serves the target alone: --draft would be"),
+    (["--speculative", "off", "--token-map", "f.pt", "--autotune", "A"], "--token-map, --autotune would be ignored"),
+    (["--autotune", "A", "--num-steps", "5", "--topk", "1"], "--autotune sets the tree per batch size: --num-steps, "
+                                                              "--topk would be ignored"),
+    (["--max-batch-size", "0"], "max_batch_size"),
+    (["--mem-fraction", "1.5"], "mem_fraction must be in (0, 1], got 1.5"),
+])
+def test_flags_that_would_be_ignored_or_fail_later_are_usage_errors(tmp_path, capsys, flags, words):
+    """Typed on the command line, before anything loads (the recipe's own tree and head are overridden by design)."""
+    (tmp_path / "A").write_text('{"best_setting_by_batch_size": {"1": "7,1,8"}}')
+    flags = [str(tmp_path / "A") if f == "A" else f for f in flags]
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--recipe", "smollm2-135m", *flags])
+    assert stopped.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_recipe_s_head_and_tree_give_way_to_flags(tmp_path):
+    (tmp_path / "A").write_text('{"best_setting_by_batch_size": {"1": "7,1,8"}}')
+    assert parse_args(["--recipe", "smollm2-135m", "--speculative", "off"]).speculative == "off"
+    args = parse_args(["--recipe", "smollm2-135m", "--autotune", str(tmp_path / "A")])
+    assert args.tree_by_batch[0][1].num_steps == 7
 
 
 def test_impossible_tree_is_a_usage_error(capsys):
