@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-proc", type=int, help="processes for tokenizing")
     parser.add_argument("--cache-dir", help="datasets' cache (default: its own, ~/.cache/huggingface/datasets)")
     args = parser.parse_args(argv)
+    if args.size < 1 or args.max_length < 1:
+        parser.error(f"--size and --max-length must be at least 1, got {args.size} and {args.max_length}")
+    if not args.output.parent.is_dir():  # found out now, not after the whole data set is counted
+        parser.error(f"--output {args.output}: no directory {args.output.parent}")
     data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

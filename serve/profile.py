@@ -32,7 +32,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from eyas.common.architectures import ARCHITECTURES, random_target
+from eyas.common.architectures import ARCHITECTURES, architecture_config, random_target
 from eyas.common.profiling import Idle, idle_time, per_step, work_in
 from eyas.common.target import default_dtype
 
@@ -40,6 +40,7 @@ from .autotune import format_setting
 from .bench import GREEDY, random_head, warm_engine
 from .commands import add_sampling_arguments, sampling_params, tree_setting
 from .draft import TreeShape
+from .engine import step_reserve
 from .sampling import SamplingParams
 
 PHASES = ("draft", "verify", "accept")
@@ -103,6 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
+    if args.input_len < 1 or args.new_tokens < 2 or args.top < 1:  # two new tokens: one decode step at least
+        parser.error(f"need --input-len >= 1, --new-tokens >= 2 and --top >= 1, got {args.input_len}, "
+                     f"{args.new_tokens}, {args.top}")
+    context = architecture_config(args.arch).max_position_embeddings
+    if args.input_len + args.new_tokens + step_reserve([t for t in args.trees if t]) - 1 > context:
+        parser.error(f"--input-len {args.input_len} and --new-tokens {args.new_tokens}, with the trees' drafts, pass "
+                     f"{args.arch}'s context of {context} tokens")
     if args.idle and not args.device.startswith("cuda"):
         parser.error(f"--idle measures the GPU's idle time: it needs a CUDA device, not {args.device!r}")
     target = random_target(args.arch, default_dtype(args.device), args.device)

@@ -48,3 +48,15 @@ def test_cli_names_a_missing_data_file(tmp_path, capsys):
         main(["--target", "unused", "--data", str(missing), "--output", str(tmp_path / "freq.pt")])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and f"argument --data: data '{missing}' is neither an existing path" in err
+
+
+@pytest.mark.parametrize("args, words", [(["--size", "0"], "--size and --max-length must be at least 1, got 0 and"),
+                                         (["--max-length", "0"], "must be at least 1, got 32000 and 0"),
+                                         (["--output", "no/such/dir/freq.pt"], "--output no/such/dir/freq.pt: no "
+                                          "directory no/such/dir")])
+def test_cli_refuses_bad_sizes_and_paths_before_counting(tmp_path, capsys, args, words):
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "unused", "--data", str(data), "--output", str(tmp_path / "freq.pt"), *args])
+    assert stopped.value.code == 2 and words in capsys.readouterr().err

@@ -64,6 +64,18 @@ def test_idle_time_counts_the_gaps_between_overlapping_kernels():
     assert idle_time([]).span == 0
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--new-tokens", "1"], "need --input-len >= 1, --new-tokens >= 2 and --top >= 1, got 1024, 1, 12"),
+    (["--input-len", "0"], "got 0, 48, 12"),
+    (["--input-len", "4090"], "--input-len 4090 and --new-tokens 48, with the trees' drafts, pass tiny's context of "
+                              "4096 tokens"),
+])
+def test_sizes_it_cannot_profile_are_usage_errors(args, words, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        profile.main(["--arch", "tiny", "--device", "cpu", *args])
+    assert stopped.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_idle_needs_cuda(capsys):
     with pytest.raises(SystemExit):
         profile.main(["--arch", "tiny", "--idle", "--device", "cpu"])
