@@ -201,10 +201,10 @@ class Eagle3Head(nn.Module):
         self.d2t.copy_(vocab.d2t)
         self.t2d.copy_(vocab.t2d)
 
-    def keep_draft_tokens(self, allowed: HotVocab) -> int:
+    def keep_draft_tokens(self, allowed: HotVocab) -> None:
         """Restricts the draft vocabulary to its tokens that `allowed` holds (an FR-Spec map of the most frequent
         tokens): the lm_head keeps their rows, in the head's order, so each draft pass reads and ranks fewer. The
-        served tokens stay the target's; only what the draft can propose narrows. Returns the tokens kept."""
+        served tokens stay the target's; only what the draft can propose narrows."""
         hot = self.hot_vocab
         rows = allowed.t2d.to(hot.hot_ids.device)[hot.hot_ids].nonzero().flatten()  # [kept] lm_head rows
         if rows.numel() == 0:
@@ -215,7 +215,6 @@ class Eagle3Head(nn.Module):
         self.lm_head.weight = nn.Parameter(weight.detach()[rows], requires_grad=weight.requires_grad)
         self.lm_head.out_features = rows.numel()
         self.d2t, self.t2d = kept.d2t, kept.t2d.clone()
-        return rows.numel()
 
     def project_target(self, target: TargetOutput) -> Tensor:
         """The target's captured streams aux [B, T, 3·Ht] -> first-step hidden input [B, T, H]."""

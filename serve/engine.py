@@ -447,19 +447,19 @@ class Engine:
     @torch.no_grad()
     def _prefill(self, requests: list[Request]) -> None:
         """One chunk of each request's prompt in one target pass, with the first token of each prompt it finishes
-        and the draft's extension over the chunk. Rows are padded to the longest chunk (the padding queries sit at
-        positions past each row's chunk, capped at the context's last, so their k/v land past each row's cached
-        positions, or in the scratch block, and are rewritten later). With graphs the batch is padded further to its
-        bucket and the chunks to their `length_bucket`, and the pass is a graph replay, wherever the padded batch
-        stays within `max_prefill_tokens`: run eagerly, a small model's prefill takes longer to launch from Python
-        than to compute (docs/perf.md)."""
+        and the draft's extension over the chunk. Rows are padded to the longest chunk (the padding queries' k/v land
+        past each row's cached positions, or in the scratch block, and are rewritten later; past the context's end
+        their rotary angles are its last position's). With graphs the batch is padded further to its bucket and the
+        chunks to their `length_bucket`, and the pass is a graph replay, wherever the padded positions stay in the
+        context and the padded batch within `max_prefill_tokens`: run eagerly, a small model's prefill takes longer
+        to launch from Python than to compute (docs/perf.md)."""
         starts = [r.cached for r in requests]
         chunk = self.config.max_prefill_tokens
         ends = [min(r.prefill_target, s + chunk) for r, s in zip(requests, starts, strict=True)]
         lengths = [e - s for s, e in zip(starts, ends, strict=True)]
         B, T = len(requests), max(lengths)
         rows, columns = batch_bucket(B), length_bucket(T)
-        graphed = self.graphs.enabled and rows * columns <= chunk
+        graphed = self.graphs.enabled and rows * columns <= chunk and max(starts) + columns <= self.context_limit
         pad, T = (rows - B, columns) if graphed else (0, T)
         # The prompts this chunk finishes: their first token comes from the last position.
         first = [b for b, r in enumerate(requests) if ends[b] == r.prefill_target and not r.output]
@@ -475,7 +475,7 @@ class Engine:
             host[b, 2 * T :] = torch.tensor([s, len(own) - 1, b in first])
         ids = to_device(host, self.device)
         # Wide enough for every padded position (past a row's blocks: the scratch block).
-        table = self._block_table(requests, pad, width=self._blocks_for(min(max(starts) + T, self.context_limit)))
+        table = self._block_table(requests, pad, width=self._blocks_for(max(starts) + T))
         name, verify, verify_inputs = self._verification(0, self._sampling(requests, pad, 1, first))
         inputs = (ids[:, :T], ids[:, T : 2 * T], ids[:, 2 * T], ids[:, 2 * T + 1], ids[:, 2 * T + 2] != 0, table,
                   *verify_inputs)
@@ -501,11 +501,13 @@ class Engine:
         the next token there; then the draft's extension with next_tokens [B, T]. -> that token [B], and with a head
         the draft's hidden [B, H] and logits [B, Vd] at each row's last index."""
         B, T = tokens.shape
-        # A row's padding past the context's end (a short last chunk beside a longer one) stays at its last position.
-        positions = (prefix[:, None] + torch.arange(T, device=tokens.device)).clamp_(max=self.context_limit - 1)
+        positions = prefix[:, None] + torch.arange(T, device=tokens.device)
         slots = slots_of(table, positions, self.pool.block_size)
         mask = _causal_mask(T, tokens.device)
-        out = self.target(tokens, self.rope(positions),
+        # A short last chunk padded beside a longer one may reach past the context's end, past the rotary tables:
+        # its padding takes the last position's angles (its outputs are never read).
+        angles_at = positions.clamp(max=self.context_limit - 1)
+        out = self.target(tokens, self.rope(angles_at),
                           self.attention(self.pool, table, prefix, mask.expand(B, T, T), new_slots=slots),
                           aux_layers=self.aux_layers)
         hidden = out.hidden.gather(1, last[:, None, None].expand(B, 1, out.hidden.shape[-1]))  # [B, 1, H]
@@ -517,7 +519,7 @@ class Engine:
             return (token,)
         at_last = torch.where(first, token, next_tokens.gather(1, last[:, None])[:, 0])
         next_tokens = next_tokens.scatter(1, last[:, None], at_last[:, None])
-        return (token, *self.drafter.extend(out, next_tokens, prefix, last, table, self.drafter.rope(positions),
+        return (token, *self.drafter.extend(out, next_tokens, prefix, last, table, self.drafter.rope(angles_at),
                                             slots, mask))
 
     @torch.no_grad()

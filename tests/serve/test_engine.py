@@ -225,9 +225,9 @@ def test_fixed_shapes_of_cuda_graphs_change_nothing(target, shape, monkeypatch):
 
 def test_prefill_in_buckets_where_they_fit(target, monkeypatch):
     """With graphs a prefill chunk runs padded to its batch bucket and length bucket (here on CPU, uncaptured),
-    also where the padded positions would pass the context's end (they stay at its last position). Output and
-    acceptance are the unpadded engine's, the output the target's. (`test_drafted_tree_equals_uncached_drafting`
-    checks the draft's state after a padded prefill.)"""
+    except where the padded positions would pass the context's end: that chunk runs as it is. Output and acceptance
+    are the unpadded engine's, the output the target's. (`test_drafted_tree_equals_uncached_drafting` checks the
+    draft's state after a padded prefill.)"""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)
     ps = prompts(3, target.config.vocab_size, seed=9)
     ps[0] = (ps[0] * 10)[:170]  # the context is 192 positions; its length bucket, 256, is not
@@ -246,16 +246,15 @@ def test_prefill_in_buckets_where_they_fit(target, monkeypatch):
             engine.step()
         runs.append([(r.output, r.accepted) for r in requests])
     assert runs[0] == runs[1] and [output for output, _ in runs[0]] == [list(greedy_tokens(target, p, 10)) for p in ps]
-    # The long prompt ran padded past the context's end; the other two, admitted together once it ended, as one
-    # padded chunk.
-    assert padded == [(1, 256), (2, length_bucket(max(map(len, ps[1:]))))]
+    # The long prompt ran unpadded; the other two, admitted together once it ended, as one padded chunk.
+    assert padded == [(2, length_bucket(max(map(len, ps[1:]))))]
 
 
 @pytest.mark.parametrize("head", [False, True])
 def test_a_short_last_chunk_beside_a_longer_one_at_the_context_s_end(target, head):
     """A long prompt's short last chunk, prefilled beside a newer prompt's longer chunk, is padded to it, past the
-    context's end: the padding stays at the last position (it used to index the rotary table out of range and fail
-    both requests). Both get the target's tokens."""
+    context's end: the padding takes the last position's rotary angles (it used to index the rotary tables out of
+    range and fail both requests). Both get the target's tokens."""
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (485, 60)]
