@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
                                                 args.token_map, args.device, DTYPES.get(args.dtype))
     config = dataclasses.replace(args.engine, speculative=head is not None)
-    engine = Engine(target, head, config)
+    try:
+        engine = Engine(target, head, config)
+    except ValueError as e:  # a tree this head or context cannot hold
+        raise SystemExit(f"serve-eagle: error: {e}") from None
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()
         engine.warm_up(progress=True)

@@ -277,7 +277,10 @@ def main(argv: list[str] | None = None) -> None:
         # second, a share of what was then free would leave it a fraction: fewer rows at once, a slower baseline).
         share = args.mem_fraction if args.no_baseline else args.mem_fraction / 2
         config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=share, **engine_options(args))
-        engine_on = Engine(target, head, config)
+        try:
+            engine_on = Engine(target, head, config)
+        except ValueError as e:  # a tree this head or context cannot hold
+            parser.error(str(e))
         client_on = EngineClient(engine_on, tokenizer, params, args.max_new_tokens)
         client_off = None if args.no_baseline else EngineClient(
             Engine(target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks)),

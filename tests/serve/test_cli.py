@@ -105,6 +105,21 @@ def test_a_recipe_s_head_and_tree_give_way_to_flags(tmp_path):
     assert args.tree_by_batch[0][1].num_steps == 7
 
 
+def test_a_tree_the_loaded_head_cannot_draft_stops_the_server_by_name(monkeypatch):
+    import torch
+
+    from eyas.common.architectures import random_target
+    from eyas.serve import cli
+    from eyas.serve.bench import random_head
+
+    target = random_target("tiny", torch.float32, "cpu")
+    monkeypatch.setattr(cli, "load_models", lambda *args: (target, random_head(target, 4), None, Path("t")))
+    with pytest.raises(SystemExit, match="serve-eagle: error: tree 3,8,8: topk 8 is more than the head's draft "
+                                         "vocabulary of 4 tokens"):
+        cli.main(["--recipe", "smollm2-135m", "--num-steps", "3", "--topk", "8", "--num-draft-tokens", "8",
+                  "--device", "cpu"])
+
+
 def test_impossible_tree_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stopped:
         parse_args(["--recipe", "smollm2-135m", "--topk", "2", "--num-draft-tokens", "99"])

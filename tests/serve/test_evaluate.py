@@ -4,6 +4,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import save_eagle3
@@ -61,6 +62,22 @@ def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
     with pytest.raises(SystemExit) as stopped:
         main(["--target", "unused", "--draft", "unused", "--bench", str(path), *limit])  # before any loading
     assert stopped.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_tree_the_head_cannot_draft_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """topk past the head's draft vocabulary, found once the head is loaded (where a raw traceback was)."""
+    from eyas.common.architectures import random_target
+    from eyas.serve import evaluate as evaluate_module
+    from eyas.serve.bench import random_head
+
+    target = random_target("tiny", torch.float32, "cpu")
+    monkeypatch.setattr(evaluate_module, "load_models", lambda *args: (target, random_head(target, 4), None, None))
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "t", "--draft", "d", "--bench", str(path), "--num-steps", "3", "--topk", "8",
+              "--num-draft-tokens", "8", "--device", "cpu"])
+    assert stopped.value.code == 2 and "topk 8 is more than the head's draft vocabulary of 4" in capsys.readouterr().err
 
 
 def test_prompt_file_questions(tmp_path):
