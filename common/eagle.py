@@ -99,6 +99,11 @@ class EagleHead(nn.Module):
         return ()
 
     @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft can propose: the token map's, or the whole vocabulary's."""
+        return self.config.vocab_size if self.token_map is None else self.token_map.hot_ids.numel()
+
+    @property
     def hot_vocab(self) -> HotVocab:
         """Draft index -> target id: the token map, or the identity over the whole vocabulary."""
         if self.token_map is not None:

@@ -189,6 +189,11 @@ class Eagle3Head(nn.Module):
         return self.config.aux_layers_for(target)
 
     @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft can propose (its lm_head's rows)."""
+        return self.config.draft_vocab_size
+
+    @property
     def hot_vocab(self) -> HotVocab:
         """Built from `d2t` once per state of that buffer (validation syncs the device: not every step)."""
         key = (self.d2t.device, self.d2t.data_ptr(), self.d2t._version)

@@ -318,9 +318,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"prompts of up to {longest} tokens, --output-len {args.output_len} and the trees' "
                      f"{reserve - 1} positions of a step's drafts pass the target's context of {context} tokens")
     for shape in args.trees:  # before the sweep, not when its engine is built
-        if shape.topk > head.config.draft_vocab_size:
+        if shape.topk > head.draft_vocab_size:
             parser.error(f"--trees {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
-                         f"vocabulary of {head.config.draft_vocab_size} tokens")
+                         f"vocabulary of {head.draft_vocab_size} tokens")
 
     options = engine_options(args)
     results: list[Result] = []

@@ -211,9 +211,9 @@ class Engine:
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
         for shape in self.trees:  # refused here, not at a request's first step
-            if shape.topk > head.config.draft_vocab_size:
+            if shape.topk > head.draft_vocab_size:
                 raise ValueError(f"tree {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
-                                 f"vocabulary of {head.config.draft_vocab_size} tokens")
+                                 f"vocabulary of {head.draft_vocab_size} tokens")
         if self.reserve >= self.context_limit:
             raise ValueError(f"trees {[format_setting(t) for t in self.trees]} need {self.reserve} positions a step "
                              f"beyond the prompt; the context holds {self.context_limit}")

@@ -705,3 +705,5 @@ def test_eagle1_head_with_token_map_equals_target_greedy(target, tmp_path):
     requests = engine.generate(ps, GREEDY, max_new_tokens=16)
     assert [r.output for r in requests] == [list(greedy_tokens(target, p, 16)) for p in ps]
     assert all(len(r.accepted) > 0 for r in requests)
+    with pytest.raises(ValueError, match="topk 101 is more than the head's draft vocabulary of 100 tokens"):
+        Engine(target, head, EngineConfig(tree=TreeShape(2, 101, 8), block_size=4, num_blocks=256))
