@@ -12,12 +12,11 @@ time the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s
 tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
 where steps overlap that host time unless `--disable-overlap`; and the speedup over speculation off at the same
 batch size. With `--autotune` each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs
-it where its setting is off: the head loaded and extended over each step's token (so that other batch sizes' trees
-find it current). The autotune picks each batch size's fastest of the trees and off+head (not the head-less "off",
-which such a server cannot run). `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter
-it). `--compare-hf`
-times Hugging Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at
-random); step costs are what such a run measures.
+it where its setting is off: the head loaded, extended over the prompts at their prefill (decode steps leave it
+behind: `Engine._catch_up_drafts`). The autotune picks each batch size's fastest of the trees and off+head (not the
+head-less "off", which such a server cannot run). `--temperature` samples instead of decoding greedily (`--top-p`,
+`--top-k` filter it). `--compare-hf` times Hugging Face `generate` on the batch-1 prompts. With random weights τ is
+meaningless (the draft guesses at random); step costs are what such a run measures.
 """
 
 from __future__ import annotations
@@ -125,7 +124,7 @@ GREEDY = SamplingParams(temperature=0)
 def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
                 params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None; with `head_kept` the head is still loaded
-    and extended over each step's token, as an autotuned server runs a batch size whose setting is off) with KV room
+    and extended over the prompts, as an autotuned server runs a batch size whose setting is off) with KV room
     for `batch_size` of `prompts` and `max_new_tokens` each, after an untimed run of that work (`generate_all`).
     Triton compiles a kernel variant the first time a shape class appears (prompt lengths, batch buckets, acceptance
     lengths) and each bucket's CUDA graphs are captured on first use: seconds that a serving process pays once, and

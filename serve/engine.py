@@ -14,8 +14,9 @@ the accepted tokens' target states and moves the accepted nodes' KV into place (
 baseline every comparison uses.
 
 Per batch size the step may draft a different tree, or none (`EngineConfig.tree_by_batch`, from
-`bench-eagle --autotune`): the draft is extended with the accepted tokens either way, so it is ready
-whenever the batch size calls for speculation again.
+`bench-eagle --autotune`). A step that drafts none leaves the draft behind: it costs what decoding without a head
+costs. When the batch size calls for speculation again, the requests whose draft is behind go back to their last
+drafted position, and a prefill recomputes the positions since (`Engine._catch_up_drafts`).
 
 A decode step stays in flight: the next `step` queues the one after it from its device outputs before reading
 its tokens (`Engine.step`), so the host's scheduling and bookkeeping overlap the device's work.
@@ -112,6 +113,7 @@ class Request:
     # Engine state.
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # positions whose target KV is in the pool
+    drafted: int = 0  # positions whose draft KV is in the pool: `cached`, or fewer after steps that drafted nothing
     draft: DraftState | None = None
     generator: torch.Generator | None = None
     emitted: int = 0  # len(output) already handed out by `take_new_tokens`
@@ -155,7 +157,7 @@ class DecodeStep:
     n: Tensor  # [B'] cached positions before it
     num_accepted: Tensor  # [B'] draft tokens accepted
     bonus: Tensor  # [B'] the token after the accepted path, the next root
-    draft: tuple[Tensor, Tensor] | None  # the draft's hidden [B', H] and logits [B', Vd] after it; None: no head
+    draft: tuple[Tensor, Tensor] | None  # the draft's hidden [B', H] and logits [B', Vd] after it; None: no tree
     host: Tensor  # [B, 2 + 2N]: num_accepted, bonus, accepted path, tree tokens; on the host once `ready`
     ready: torch.cuda.Event | None  # None: already there (off CUDA)
 
@@ -336,6 +338,7 @@ class Engine:
             if chained:
                 return
         self._admit()
+        self._catch_up_drafts()
         pending = self._prefill_batch()
         if pending:
             with self._phase("prefill"):
@@ -347,6 +350,24 @@ class Engine:
         self.decode_steps += 1
         with self._phase("decode"):  # the three phases and the host work between them
             self.in_flight = self._decode(requests, after)
+
+    def _catch_up_drafts(self) -> None:
+        """Where the running batch's size calls for a tree, the requests whose draft is behind (steps at a size without
+        speculation do not extend it) go back to their last drafted position: the next prefill steps recompute the
+        target's KV there as it was, and extend the draft over it. Each position is recomputed once at most, so a
+        batch size without speculation runs as fast as a server without a head."""
+        if self.drafter is None or setting_for(self.tree_by_batch, len(self.running)) is None:
+            return
+        for request in self.running:
+            request.cached = min(request.cached, request.drafted)
+
+    def _setting(self, requests: list[Request]) -> TreeShape | None:
+        """The tree a decode step of `requests` drafts: their batch size's, or none without a head, or while a draft
+        is behind (a batch that shrank by a preemption after `_catch_up_drafts`; the next step catches it up)."""
+        if self.drafter is None:
+            return None
+        shape = setting_for(self.tree_by_batch, len(requests))
+        return None if shape is None or any(r.drafted < r.cached for r in requests) else shape
 
     def _prefill_batch(self) -> list[Request]:
         """The requests whose prompts this step prefills: one chunk each, as many as fit `max_prefill_tokens`
@@ -419,7 +440,7 @@ class Engine:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.pool.allocator.free(request.blocks)
-        request.blocks, request.cached, request.draft = [], 0, None
+        request.blocks, request.cached, request.drafted, request.draft = [], 0, 0, None
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: str) -> None:
@@ -492,7 +513,7 @@ class Engine:
         if draft:
             for r, state in zip(requests, states, strict=True):
                 if not r.finished:
-                    r.draft = state
+                    r.draft, r.drafted = state, r.cached
 
     def _prefill_forward(self, verify, tokens: Tensor, next_tokens: Tensor, prefix: Tensor, last: Tensor,
                          first: Tensor, table: Tensor, *verify_inputs: Tensor) -> tuple[Tensor, ...]:
@@ -529,7 +550,7 @@ class Engine:
         requests, or `after` the step before, on the device, whose tokens the host has not read yet. Returns the
         step while its device work runs (`_overlaps`), else None, its tokens handed out."""
         device, B = self.device, len(requests)
-        shape = setting_for(self.tree_by_batch, B) if self.drafter is not None else None
+        shape = self._setting(requests)
         depth = shape.num_steps if shape else 0  # the tree's depth: the longest path it can accept
         pad = batch_bucket(B) - B if self.graphs.enabled else 0
         if after is None:
@@ -544,7 +565,7 @@ class Engine:
         with self._phase("draft"):
             if shape is not None:
                 tree = self.drafter.draft_tree(shape, roots, *draft, n, table)
-            else:  # plain decoding (the draft still follows: `_accept` extends it)
+            else:  # plain decoding: the draft falls behind (`_catch_up_drafts`)
                 tree = root_only(roots)
         with self._phase("verify"):  # target pass and verification in one graph
             sampling = self._sampling(requests, pad, tree.tokens.shape[1])
@@ -616,18 +637,18 @@ class Engine:
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,
         table: Tensor, out: TargetOutput, accepted: Tensor, num_accepted: Tensor, bonus: Tensor,
     ) -> DecodeStep:
-        """Keeps the accepted path's KV, extends the draft along it, and queues the copy of the tokens to the host.
-        Tensors cover the B' rows, padding included."""
+        """Keeps the accepted path's KV, extends the draft along it (after a drafted tree), and queues the copy of the
+        tokens to the host. Tensors cover the B' rows, padding included."""
         B = len(requests)
         draft = None
-        if self.drafter is not None:
+        if shape is not None:
             # A fixed length, the deepest path the tree can accept: graphs need one, and reading the accepted lengths
             # would wait for the step.
             T = min(depth + 1, tree.tokens.shape[1])
             inputs = (accepted, num_accepted, bonus, tree.tokens, out.hidden, n, table) + (
                 (out.aux,) if out.aux is not None else ())
             hidden, logits = self.graphs(f"accept, path {T}", functools.partial(self._follow_path, T), *inputs)
-            if shape is not None and shape.topk > 1:  # a chain's accepted path is its first nodes, already in place
+            if shape.topk > 1:  # a chain's accepted path is its first nodes, already in place
                 # Eager, after the graph: a move is not idempotent, and a graph's first call runs thrice.
                 self.accept_kernels.move_path(self.pool, accepted, num_accepted, n, table, T)
             if self.graphs.capture:  # graph outputs are overwritten by the next replay
@@ -652,10 +673,9 @@ class Engine:
                 continue
             m, bonus_token, path_host, tokens_host = host[b][0], host[b][1], host[b][2 : 2 + N], host[b][2 + N :]
             request.cached += m + 1
-            if states is not None:
-                request.draft = states[b]
-                if step.advance > 1:  # it verified a drafted tree (a plain step, "off" at its batch size, drafts none)
-                    request.accepted.append(m)
+            if states is not None:  # it verified a drafted tree, and the draft followed the accepted path
+                request.draft, request.drafted = states[b], request.cached
+                request.accepted.append(m)
             self._emit(request, [tokens_host[j] for j in path_host[1 : m + 1]] + [bonus_token])
 
     def _follow_path(self, T: int, path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,

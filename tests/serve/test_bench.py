@@ -35,7 +35,7 @@ def test_bench_tiny_random(tmp_path, capsys):
 
 @pytest.mark.parametrize("off_with_head, best", [(60.0, "3,1,4"), (90.0, "off")])
 def test_autotune_picks_what_a_server_can_run(monkeypatch, tmp_path, capsys, off_with_head, best):
-    """An autotuned server runs a batch size whose setting is off with the head loaded and kept current: the
+    """An autotuned server runs a batch size whose setting is off with the head loaded: the
     autotune weighs that run, never the head-less "off", however fast."""
     speeds = {"off": 100.0, "3,1,4": 80.0, "2,2,4": 50.0, OFF_WITH_HEAD: off_with_head}
 

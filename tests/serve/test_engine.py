@@ -147,6 +147,13 @@ def check_drafted_tree(target, shape: TreeShape, tol: float, decode_steps: int =
         engine.step()
     assert not request.finished and len(request.accepted) == decode_steps and (sum(request.accepted) > 0) == (
         decode_steps > 0)
+    assert_drafts_as_uncached(engine, request, shape, tol)
+
+
+@torch.no_grad()
+def assert_drafts_as_uncached(engine: Engine, request, shape: TreeShape, tol: float):
+    """The tree the engine's draft gives `request` now (its pass logits and its tokens) is `reference_tree`'s."""
+    device = engine.device
     engine._ensure_blocks()  # room for the tree drafted below
     served, recomputed = [], []
     kernels = engine.drafter.kernels  # on CUDA the fused ones: the reference drafts with torch's
@@ -179,8 +186,8 @@ def test_drafted_tree_equals_uncached_drafting_cuda(target, shape, decode_steps)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_settings_by_batch_size(target, graphs, monkeypatch):
     """Autotuned settings: as requests finish the batch shrinks 3 -> 2 -> 1 and each step drafts the tree of
-    its batch size, or none (the draft still follows the accepted tokens); the output stays the target's, and a
-    request's speculative statistics count the steps that verified a drafted tree for it, not the plain ones."""
+    its batch size, or none (the draft falls behind, and catches up for batch size 1); the output stays the target's,
+    and a request's speculative statistics count the steps that verified a drafted tree for it, not the plain ones."""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     ps = prompts(3, target.config.vocab_size, seed=5)
     lengths = [8, 16, 28]
@@ -207,6 +214,56 @@ def test_settings_by_batch_size(target, graphs, monkeypatch):
     assert [len(r.accepted) for r in requests] == [verified[id(r)] for r in requests]
     assert engine.decode_steps > len(drafted)  # the steps at batch size 2 drafted nothing
     assert engine.reserve == 1 + SHAPES["tree"].num_draft_tokens
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_draft_left_behind_without_speculation_catches_up(target, graphs, monkeypatch):
+    """At batch size 2 the setting is off: its steps cost what decoding without a head costs, so the draft is not
+    extended and falls behind. When the other request ends, batch size 1 speculates: the remaining request goes back
+    to its last drafted position, one prefill step recomputes what it missed (handing out no token), and the tree it
+    then drafts is the one a cache-free recomputation drafts."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
+    shape = SHAPES["tree"]
+    engine = Engine(target, random_head(target), EngineConfig(tree_by_batch=((1, shape), (2, None)), block_size=4,
+                                                               num_blocks=64, overlap=False))
+    extended = []
+    extend = engine.drafter.extend
+    monkeypatch.setattr(engine.drafter, "extend", lambda *a, **k: (extended.append(1), extend(*a, **k))[1])
+    long, short = (engine.add_request(p, GREEDY, n) for p, n in zip(prompts(2, target.config.vocab_size, seed=6),
+                                                                    (24, 6), strict=True))
+    engine.step()  # both prompts' prefill: the draft extended over them
+    assert len(extended) == 1 and long.drafted == long.cached
+    drafted_at = long.cached
+    while not short.finished:
+        engine.step()
+    assert len(extended) == 1 and long.drafted == drafted_at < long.cached and not long.accepted
+    output, cached = list(long.output), long.cached
+    engine.step()  # the catch-up: a prefill from the last drafted position
+    assert len(extended) == 2 and long.output == output and long.drafted == long.cached == cached
+    assert_drafts_as_uncached(engine, long, shape, 1e-5)
+    while engine.has_work():
+        engine.step()
+    assert long.output == list(greedy_tokens(target, long.prompt, 24)) and long.accepted
+    assert engine.pool.allocator.num_free == 64
+
+
+def test_no_tree_is_drafted_from_a_draft_left_behind(target, monkeypatch):
+    """A preemption at batch size 2 (no speculation) leaves one request, whose draft is behind, in a batch size that
+    speculates: that step decodes plainly and the next catches the draft up, so every tree is drafted from a current
+    draft."""
+    shape = SHAPES["tree"]
+    ps = prompts(2, target.config.vocab_size, seed=7)
+    engine = Engine(target, random_head(target), EngineConfig(tree_by_batch=((1, shape), (2, None)), block_size=4,
+                                                               num_blocks=24))
+    current, preempted = [], []
+    draft_tree, preempt = engine.drafter.draft_tree, engine._preempt
+    monkeypatch.setattr(engine.drafter, "draft_tree", lambda *a: (
+        current.append(all(r.drafted == r.cached for r in engine.running)), draft_tree(*a))[1])
+    monkeypatch.setattr(engine, "_preempt", lambda r: (preempted.append(len(engine.running)), preempt(r))[1])
+    requests = engine.generate(ps, GREEDY, max_new_tokens=40)
+    assert [r.output for r in requests] == [list(greedy_tokens(target, p, 40)) for p in ps]
+    assert preempted[0] == 2 and current and all(current)
+    assert engine.pool.allocator.num_free == 24
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
