@@ -5,9 +5,14 @@
 
 Endpoints:
   POST /v1/chat/completions   model, messages, max_tokens | max_completion_tokens, temperature, top_p, top_k,
-                              seed, stop, stream, stream_options.include_usage, n (1 only)
+                              seed, stop, stream, stream_options.include_usage, n (1 only), user (ignored)
   POST /v1/completions        the same with `prompt` (a string) instead of `messages`
-  GET  /v1/models, /health, /metrics (Prometheus; see metrics.py)
+  GET  /v1/models, /v1/models/{model}, /health, /metrics (Prometheus; see metrics.py)
+
+OpenAI's options that this server does not implement (logprobs, top_logprobs, frequency_penalty, presence_penalty,
+logit_bias; echo, best_of and suffix of completions) are accepted at the values that ask for nothing (false, 0, {},
+1 for best_of, null), else refused with a 400 whose code is "unsupported_parameter". A "developer" message is a
+system message.
 
 Streaming answers are server-sent events (`data: {chunk}\\n\\n`, ending with `data: [DONE]\\n\\n`); with
 `stream_options: {"include_usage": true}` (streaming only) a last chunk with empty `choices` carries `usage`, the
@@ -45,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 from transformers import PreTrainedTokenizerBase
 
@@ -83,9 +89,14 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    # "developer": OpenAI's newer name for the system role (its own examples send it); templates know "system".
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     @property
     def text(self) -> str:
@@ -94,6 +105,12 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+# OpenAI options this server does not implement. Clients send them at the value that asks for nothing (false, 0, {}),
+# which is accepted; any other value is a 400 naming the option, with OpenAI's code "unsupported_parameter".
+_UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "best_of",
+                "suffix")
 
 
 class _Generation(_Strict):
@@ -108,12 +125,16 @@ class _Generation(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="only 1 is supported")
+    user: str | None = None  # an end user's id, for OpenAI's abuse monitoring: ignored
+    frequency_penalty: float = 0.0  # _UNSUPPORTED, as are those below and the endpoints' own
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data):
         """OpenAI's schema lets these options be null, meaning their default; clients send it so."""
-        nullable = ("temperature", "top_p", "top_k", "n", "stream")
+        nullable = ("temperature", "top_p", "top_k", "n", "stream") + _UNSUPPORTED
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if not (value is None and key in nullable)}
         return data
@@ -124,6 +145,15 @@ class _Generation(_Strict):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
+
+    @field_validator(*_UNSUPPORTED, check_fields=False)
+    @classmethod
+    def _unsupported(cls, value, info: ValidationInfo):
+        default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        if value != default:
+            raise PydanticCustomError("unsupported_parameter", "not supported by this server (send {default} or "
+                                      "leave it out)", {"default": json.dumps(default)})
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -148,6 +178,8 @@ class _Generation(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
+    logprobs: bool = False  # _UNSUPPORTED
+    top_logprobs: int = 0
 
     @property
     def new_tokens(self) -> int | None:
@@ -156,6 +188,10 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: str
+    logprobs: int | None = None  # _UNSUPPORTED (0 would ask for the chosen token's logprob)
+    echo: bool = False
+    best_of: int = 1
+    suffix: str | None = None
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -190,6 +226,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if first["type"] == "json_invalid":
         return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     if not loc:
+        if isinstance(exc.body, bytes):  # not parsed: FastAPI reads JSON only when the content-type says so
+            return _error(400, "the request body must be JSON, sent with the header content-type: application/json")
         return _error(400, f"the request body must be a JSON object ({first['msg']})")
     field = ".".join(loc)
     message = f"unknown field '{field}'" if first["type"] == "extra_forbidden" else f"{field}: {first['msg']}"
@@ -349,7 +387,7 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
             raise APIError(400, "messages: this model has no chat template; send a prompt to /v1/completions",
                            param="messages")
         try:
-            prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text} for m in body.messages])
+            prompt = render_chat(tokenizer, [{"role": m.template_role, "content": m.text} for m in body.messages])
         except TemplateError as e:
             raise APIError(400, f"messages: the chat template rejects them: {e}", param="messages") from None
         return await respond(request, body, prompt, await start(body, prompt, "messages"), chat=True)
@@ -360,10 +398,16 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
         prompt = tokenizer(body.prompt).input_ids  # with the tokenizer's BOS, if it adds one (as a chat template does)
         return await respond(request, body, prompt, await start(body, prompt, "prompt"), chat=False)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "eyas"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "eyas"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve; a name may hold "/" (org/model)
+    async def model(name: str):
+        check_model(name)
+        return card
 
     @app.get("/health")
     async def health():

@@ -278,6 +278,10 @@ BAD = [  # (body, status, field named in the message, words in the message)
     ({"model": MODEL, "messages": QUESTION, "stop": 5}, 400, "stop", "stop: input should be a valid string"),
     ({"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "only allowed when stream is true"),
+    ({"model": MODEL, "messages": QUESTION, "logprobs": True}, 400, "logprobs", "not supported by this server"),
+    ({"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "not supported"),
+    ({"model": MODEL, "messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"model": MODEL, "messages": QUESTION, "logit_bias": {"42": -100}}, 400, "logit_bias", "not supported"),
 ]
 
 
@@ -300,6 +304,49 @@ def test_null_options_mean_their_defaults(server):
             "stream": None, "top_k": None}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_unsupported_options_at_values_that_ask_for_nothing_are_accepted(server):
+    """Clients send OpenAI's options they do not use at their neutral values; other values are refused by name, with
+    OpenAI's code."""
+    neutral = {"logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0,
+               "logit_bias": {}, "user": "user-1"}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 2,
+                                                              **neutral})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                         "logprobs": None, "echo": False, "best_of": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for option, value in [("logprobs", 0), ("echo", True), ("best_of", 3), ("suffix", "x")]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", option: value})
+        error = r.json()["error"]
+        assert r.status_code == 400 and (error["param"], error["code"]) == (option, "unsupported_parameter"), r.text
+        assert error["message"].startswith(f"{option}: not supported by this server")
+    with pytest.raises(openai.BadRequestError, match="logprobs: not supported"):
+        server.client().chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True, top_logprobs=2)
+
+
+def test_a_developer_message_is_a_system_message(server):
+    """OpenAI's newer name for the system role, which its own examples send."""
+    client = server.client()
+    answers = [client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+        {"role": role, "content": "Answer briefly."}, *QUESTION]) for role in ("developer", "system")]
+    assert answers[0].usage == answers[1].usage and answers[0].choices[0].message == answers[1].choices[0].message
+
+
+def test_a_model_is_retrieved_by_its_name(server):
+    client = server.client()
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+
+
+def test_a_body_without_a_json_content_type_is_named_as_such(server):
+    """curl -d sends a form's content type; FastAPI reads JSON only under a JSON one (no CSRF through plain forms)."""
+    body = json.dumps({"model": MODEL, "messages": QUESTION})
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "content-type: application/json" in r.json()["error"]["message"], r.text
 
 
 def test_chat_without_a_chat_template_is_a_client_error():
