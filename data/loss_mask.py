@@ -22,20 +22,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from eyas.data.tokenizer import SENTINEL
 
 
 class TemplateMismatch(ValueError):
-    """The chat template does not write an assistant content verbatim (or trimmed), so its span is unknown."""
+    """The chat template does not write an assistant content verbatim (or trimmed), so its span is unknown, or it
+    refuses the conversation (`raise_exception`: Mistral's and Gemma's refuse a system message)."""
 
 
 def render_with_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """(The conversation in the chat template, the [start, end) character span of each assistant content)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     stand_in = [{**m, "content": SENTINEL} if m["role"] == "assistant" else m for m in messages]
-    pieces = tokenizer.apply_chat_template(stand_in, tokenize=False, add_generation_prompt=False).split(SENTINEL)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        pieces = tokenizer.apply_chat_template(stand_in, tokenize=False, add_generation_prompt=False).split(SENTINEL)
+    except TemplateError as e:  # one conversation the template refuses must not stop the whole data set
+        raise TemplateMismatch(f"the template refuses it: {e}") from e
     contents = [m["content"] for m in messages if m["role"] == "assistant"]
     if len(pieces) != len(contents) + 1:
         raise TemplateMismatch(f"the template wrote {len(pieces) - 1} of {len(contents)} assistant messages")

@@ -78,12 +78,18 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     target = resolve_target(args.target)
     tokenizer = load_tokenizer(target)
+    if tokenizer.chat_template is None:  # else the first conversation fails deep inside the tokenizing
+        parser.error(f"--target {args.target}: its tokenizer has no chat template (a base model?), so the assistant's "
+                     "tokens cannot be found")
     config = DataConfig(args.max_length, args.format, args.num_proc, args.cache_dir)
     counts = token_counts(build_dataset(data, tokenizer, config), target_config(target).vocab_size)
     hot = draft_vocab(counts, args.size, order="by_frequency")
     hot.save_token_map(args.output)
     covered = counts[hot.hot_ids].sum() / counts.sum().clamp(min=1)
-    print(f"wrote {args.output}: {hot.draft_vocab_size} ids covering {covered:.2%} of {int(counts.sum())} loss tokens")
+    unseen = int((counts[hot.hot_ids] == 0).sum())  # padding the map to --size: the lowest ids that never occur
+    print(f"wrote {args.output}: {hot.draft_vocab_size} ids covering {covered:.2%} of {int(counts.sum())} loss tokens"
+          + (f"; {unseen} of them never occur in the data (it has only {int((counts > 0).sum())} distinct loss "
+             "tokens): a smaller --size drops them" if unseen else ""))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     synthetic = recipe.data.synthetic
     if synthetic is None:
         parser.error("the benchmark needs a recipe with synthetic rows of fixed length")
+    if args.warmup >= recipe.optim.total_steps:  # found out now, not after the whole run has nothing to measure
+        parser.error(f"--warmup {args.warmup} leaves none of the recipe's {recipe.optim.total_steps} steps to measure")
     if recipe.model.random_arch is not None:
         target_cfg = architecture_config(recipe.model.random_arch)
     elif recipe.model.target is not None:

@@ -4,7 +4,9 @@
     step_N/rng_rank{R}.pt      python, numpy and torch (CPU + CUDA) RNG states of rank R
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
                                that decide which rows a position means (`check_resumable`), "head": the head's
-                               shape and precision (`check_same_head`)}; written last
+                               shape and precision (`check_same_head`), "optimizer": the settings its optimizer
+                               and lr schedule states hold (`check_same_optimizer`), "rows": a hash of the data's
+                               row lengths (`check_same_rows`)}; written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
 (`durable_replace`), so a directory named `step_N` is always complete, even after a power loss (a run killed while
@@ -49,8 +51,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, root: Path, step: int, position: int, data_order: dict, head: dict, keep_last: int = 0) -> Path:
-    """Writes `root/step_{step}` (all ranks call this); prunes to the newest `keep_last` when > 0."""
+def save(engine, root: Path, step: int, position: int, records: dict, keep_last: int = 0) -> Path:
+    """Writes `root/step_{step}` (all ranks call this); prunes to the newest `keep_last` when > 0. `records`:
+    {"data_order", "head", "optimizer", "rows"}, what a resume checks (module docstring)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if rank == 0:
@@ -61,7 +64,7 @@ def save(engine, root: Path, step: int, position: int, data_order: dict, head: d
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        state = {"step": step, "position": position, "data_order": data_order, "head": head}
+        state = {"step": step, "position": position} | records
         (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
         durable_replace(tmp, final)  # a `final` already there: a leftover of a run that died after this step
         if keep_last > 0:
@@ -127,6 +130,27 @@ def check_same_head(path: Path, head: dict) -> None:
         raise ConfigError(f"{path} holds another head ({changed}): resume with the recipe's model settings "
                           "(model.draft_vocab_size, model.aux_layers, model.precision, the target) as they were, "
                           "or train into another --output")
+
+
+def check_same_optimizer(path: Path, optimizer: dict) -> None:
+    """Raises a ConfigError, before the checkpoint loads, when this run's optimizer settings (`optimizer`: the
+    recipe's peak lr, betas and weight decay) are not the checkpoint's: loading its optimizer and lr schedule states
+    would silently put the checkpoint's back. Checkpoints written before they were recorded are not compared."""
+    changed = _changes(json.loads((path / "trainer_state.json").read_text()).get("optimizer"), optimizer)
+    if changed:
+        raise ConfigError(f"{path} holds optimizer states of other settings ({changed}), which resuming would restore "
+                          "over the recipe's: resume with them as they were, or train its head further into another "
+                          "--output with model.init_from=<its run>/final (a fresh optimizer)")
+
+
+def check_same_rows(path: Path, rows: str) -> None:
+    """Raises a ConfigError when this run's rows (`rows`: `TrainData.rows_digest`) are not the checkpoint's: a data
+    file edited since (the recipe unchanged) would make its position, and the held-out split, mean other rows."""
+    saved = json.loads((path / "trainer_state.json").read_text()).get("rows")
+    if saved is not None and saved != rows:
+        raise ConfigError(f"{path} was trained on other rows than the recipe's data gives now (a data file changed "
+                          "since?): its data position would mean other rows; restore the data, or train into another "
+                          "--output (with model.init_from=<its run>/final to train its head further)")
 
 
 def _changes(saved: dict | None, now: dict) -> str:

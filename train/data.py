@@ -19,6 +19,7 @@ same micro-batches are collated from the dumped rows, which carry the target's s
 from __future__ import annotations
 
 import functools
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class TrainData:
     train: Batches
     eval: Batches | None  # None: no rows held out
     count_hot: Callable[[], HotVocab]  # counts the draft vocabulary (`hot`)
+    # A hash of the rows' lengths, in order: a checkpoint's data position means other rows when the files were edited
+    # (the recipe unchanged), and this tells it cheaply (trainer; checkpoint.check_same_rows).
+    rows_digest: str
 
     @functools.cached_property
     def hot(self) -> HotVocab:
@@ -73,6 +77,11 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
             first = sources[paths.index(path)].key
             raise ConfigError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
     tokenizer = load_tokenizer(resolve_target(tokenizer_source))
+    if tokenizer.chat_template is None:  # else the first conversation fails deep inside the tokenizing
+        key = "data.tokenizer" if cfg.tokenizer else "model.target"
+        raise ConfigError(f"{key} {tokenizer_source}: its tokenizer has no chat template (a base model?), so the "
+                          "assistant's tokens cannot be found: set data.tokenizer to a model whose template to train "
+                          "in, e.g. the instruct model of the same vocabulary")
     if len(tokenizer) > vocab_size:  # its ids would index past the target's embedding
         raise ConfigError(f"the tokenizer of {tokenizer_source} has {len(tokenizer)} tokens, more than the target's "
                           f"vocabulary of {vocab_size}: set data.tokenizer to the target's own")
@@ -127,6 +136,7 @@ def load_data(
     """Splits and batches `rows` (`load_rows`); with `states` (the target's hidden states dumped for these rows,
     checked to hold these rows), the micro-batches are collated from them instead."""
     lengths = [len(ids) for b in rows.select_columns("input_ids").iter(1000) for ids in b["input_ids"]]
+    digest = hashlib.sha256(str(lengths).encode()).hexdigest()[:16]
     if states is not None and states.lengths != lengths:
         if states.lengths == lengths[: len(states)]:
             raise ConfigError(f"{states.path}: holds the first {len(states)} of the recipe's {len(rows)} rows; finish "
@@ -142,11 +152,12 @@ def load_data(
         size = cfg.synthetic.batch_size
         groups = [list(range(i, i + size)) for i in range(0, len(rows), size)]  # synthetic_rows' batches
         return TrainData(Batches(batch_rows, groups, cfg.pad_multiple), None,
-                         lambda: draft_vocab(token_counts(rows, vocab_size), draft_vocab_size))
+                         lambda: draft_vocab(token_counts(rows, vocab_size), draft_vocab_size), digest)
 
     rng = random.Random(seed)
     order = rng.sample(range(len(rows)), len(rows))
-    n_eval = round(cfg.eval_fraction * len(rows)) if cfg.eval_fraction else 0
+    # At least one row when asked for any: else a small data set would silently skip every evaluation.
+    n_eval = max(1, round(cfg.eval_fraction * len(rows))) if cfg.eval_fraction else 0
     if n_eval >= len(rows):
         raise ConfigError(f"{cfg.path}: {len(rows)} rows leave none for training after holding out {n_eval}")
     # Split the distinct conversations, then repeat each training one as often as its source says: all copies of a
@@ -163,4 +174,4 @@ def load_data(
 
     counts = functools.partial(repeated_token_counts, rows, distinct_train, times, vocab_size)
     return TrainData(batches(train_rows), batches(eval_rows) if n_eval else None,
-                     lambda: draft_vocab(counts(), draft_vocab_size))
+                     lambda: draft_vocab(counts(), draft_vocab_size), digest)

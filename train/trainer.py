@@ -270,6 +270,13 @@ def _data_order(recipe: TrainRecipe, world_size: int) -> dict:
     return data | {"seed": recipe.seed, "optim.grad_accum": recipe.optim.grad_accum, "world_size": world_size}
 
 
+def _optimizer_settings(recipe: TrainRecipe) -> dict:
+    """The settings a checkpoint's optimizer and lr schedule states hold, which loading them restores: the peak lr
+    (the schedule's base), betas and weight decay. The schedule's shape (warmup, min_lr, total_steps) stays the
+    recipe's."""
+    return {f"optim.{key}": getattr(recipe.optim, key) for key in ("lr", "betas", "weight_decay")}
+
+
 def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after`, SIGTERM or SIGINT
     stopped it (the latter two after the step in progress, checkpointed: rerunning resumes there)."""
@@ -280,9 +287,10 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found and not recipe.checkpoint.resume:
         raise ConfigError(f"{ckpt_root}: holds {found[-1].name} of an earlier run and checkpoint.resume is false: "
                           "resume it, or train into another --output")
-    data_order = _data_order(recipe, world_size)
+    data_order, optimizer_settings = _data_order(recipe, world_size), _optimizer_settings(recipe)
     if found:
         checkpoint.check_resumable(found[-1], data_order, recipe.optim.total_steps)
+        checkpoint.check_same_optimizer(found[-1], optimizer_settings)
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
     dtype = _dtype(recipe.model, device)
@@ -298,6 +306,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found:
         checkpoint.check_same_head(found[-1], head_record)
     data = _prepare_data(recipe, target, aux_layers, rank)
+    if found:
+        checkpoint.check_same_rows(found[-1], data.rows_digest)
     batches, eval_batches = data.train, data.eval
     # A checkpoint holds the whole head, vocabulary included: resuming reads neither model.init_from again nor this
     # run's vocabulary. A head trained further keeps its own. Either way this run's vocabulary is not counted.
@@ -383,8 +393,9 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
                 run_eval()  # even when stopping: a resumed run does not redo this step's evaluation
             saved = bool(recipe.checkpoint.every) and step % recipe.checkpoint.every == 0
             if saved or signalled:
-                path = checkpoint.save(engine, ckpt_root, step, position, data_order, head_record,
-                                       recipe.checkpoint.keep_last)
+                records = {"data_order": data_order, "head": head_record, "optimizer": optimizer_settings,
+                           "rows": data.rows_digest}
+                path = checkpoint.save(engine, ckpt_root, step, position, records, recipe.checkpoint.keep_last)
             if signalled:
                 if rank == 0:
                     tqdm.write(f"train-eagle: stopped by {stop.name or 'a signal to another rank'} at step {step}; "

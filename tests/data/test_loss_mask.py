@@ -81,6 +81,18 @@ def test_a_conversation_the_template_rewrites_is_skipped_by_name(smollm2_tokeniz
     assert f"{path}: skipping conversation 1: the template rewrites assistant content" in caplog.text
 
 
+def test_a_conversation_the_template_refuses_is_skipped_by_name(smollm2_tokenizer, tmp_path, caplog):
+    """Templates that raise on a role they do not support (Mistral's, Gemma's on a system message) skip that
+    conversation, named, instead of stopping the whole data set."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                         "supported') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}")
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (CHAT[1:3], CHAT)))
+    assert len(build_dataset(path, tok, DataConfig(cache_dir=str(tmp_path / "cache")))) == 1
+    assert f"{path}: skipping conversation 1: the template refuses it: System role not supported" in caplog.text
+
+
 def test_truncation(smollm2_tokenizer):
     eot = end_of_turn_id(smollm2_tokenizer)
     full = tokenize_conversation(smollm2_tokenizer, CHAT, end_of_turn=eot)

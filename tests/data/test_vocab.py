@@ -1,5 +1,6 @@
 """Token counts cover loss-masked tokens only; the CLI writes a loadable FR-Spec map."""
 
+import copy
 import json
 
 import pytest
@@ -39,7 +40,26 @@ def test_cli_writes_token_map(smollm2_tokenizer, tmp_path, capsys):
     assert smollm2_tokenizer.decode(hot.hot_ids[:1]) == " one"
     assert set(hot.hot_ids.tolist()) <= set(smollm2_tokenizer("one one one two<|im_end|>").input_ids)
     assert isinstance(torch.load(output, weights_only=True), list)
-    assert "wrote" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote" in out and "never occur" not in out
+
+    # More ids asked for than distinct tokens occur: the map is padded with unseen ids, and the summary says so.
+    distinct = len(set(smollm2_tokenizer("one one one two<|im_end|>").input_ids))
+    main(["--target", str(target), "--data", str(data), "--size", "10", "--output", str(output),
+          "--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert f"{10 - distinct} of them never occur in the data (it has only {distinct} distinct" in out
+
+
+def test_cli_refuses_a_tokenizer_without_a_chat_template(smollm2_tokenizer, tmp_path, capsys):
+    base = copy.deepcopy(smollm2_tokenizer)
+    base.chat_template = None
+    base.save_pretrained(tmp_path / "base")
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", str(tmp_path / "base"), "--data", str(data), "--output", str(tmp_path / "freq.pt")])
+    assert stopped.value.code == 2 and "its tokenizer has no chat template" in capsys.readouterr().err
 
 
 def test_cli_names_a_missing_data_file(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from eyas.common.architectures import architecture_config
 from eyas.train import bench
 
@@ -19,3 +21,10 @@ def test_profile_counts_each_measured_step(capsys):
     # unrolled step, its 7 projections and its lm_head.
     layers = architecture_config("tiny").num_hidden_layers
     assert linear and float(linear.group(1)) == 7 * layers + 1 + 8 * ttt_steps
+
+
+def test_a_warmup_that_leaves_no_step_to_measure_is_refused_before_training(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "train", lambda *a: pytest.fail("trained although nothing could be measured"))
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--recipe", "bench-llama3.1-8b", "--set", "optim.total_steps=5", "--warmup", "5"])
+    assert stopped.value.code == 2 and "leaves none of the recipe's 5 steps" in capsys.readouterr().err

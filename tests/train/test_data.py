@@ -74,6 +74,15 @@ def test_split_batches_and_draft_vocab(conversations, tmp_path):
     assert again.train.groups == data.train.groups and again.eval.groups == data.eval.groups
 
 
+def test_a_small_eval_fraction_holds_out_a_row(conversations, tmp_path):
+    """1% of 20 rows rounds to none: the evaluations asked for would silently never run."""
+    values = recipe_values(conversations, tmp_path)
+    values["data"]["eval_fraction"] = 0.01
+    recipe = recipe_from_dict(values)
+    data = load_data(recipe.data, load_rows(recipe, 49152), 49152, 64, seed=0)
+    assert data.eval is not None and [len(g) for g in data.eval.groups] == [1]
+
+
 @pytest.fixture(scope="module")
 def regenerated(tmp_path_factory):
     """A small file in `python -m eyas.serve.regenerate`'s layout."""
@@ -160,6 +169,18 @@ def test_a_tokenizer_larger_than_the_target_vocabulary_is_refused(conversations,
         load_rows(recipe_from_dict(values), 256)
 
 
+def test_a_tokenizer_without_a_chat_template_is_refused_by_key(conversations, smollm2_tokenizer, tmp_path):
+    """A base model's tokenizer cannot say which tokens are the assistant's: refused up front, naming the key, not
+    failing inside the tokenizing."""
+    base = copy.deepcopy(smollm2_tokenizer)
+    base.chat_template = None
+    base.save_pretrained(tmp_path / "base")
+    values = recipe_values(conversations, tmp_path)
+    values["data"]["tokenizer"] = str(tmp_path / "base")
+    with pytest.raises(ConfigError, match=f"data.tokenizer {tmp_path / 'base'}: its tokenizer has no chat template"):
+        load_rows(recipe_from_dict(values), 49152)
+
+
 @pytest.mark.parametrize("entry, words", [
     ("missing.jsonl", ["data.path[1]: ", "'missing.jsonl' is neither an existing path nor a packaged data set"]),
     ("no-such-set", ["data.path[1]: ", "'no-such-set'", "sharegpt"]),
@@ -233,6 +254,22 @@ def test_a_finished_run_run_again_logs_its_evaluations_once(real_values, tmp_pat
     assert train(recipe, tmp_path) == tmp_path / "final"
     assert metrics(tmp_path) == first
     assert [r["step"] for r in first if r["split"] == "eval"] == [0, 2, 4]
+
+
+def test_a_checkpoint_of_rows_edited_since_is_refused(conversations, tmp_path):
+    """The recipe unchanged, but a conversation of its file rewritten after the checkpoint: the checkpoint's data
+    position (and held-out split) would mean other rows, so resuming is refused."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(conversations.read_text())
+    values = recipe_values(conversations, tmp_path)
+    values["data"]["path"] = str(data)
+    values["checkpoint"] = {"every": 1, "stop_after": 1}
+    assert train(recipe_from_dict(values), tmp_path / "run") is None
+    lines = data.read_text().splitlines(keepends=True)
+    lines[3] = lines[3].replace("?", "? Answer in a long sentence, please.")
+    data.write_text("".join(lines))
+    with pytest.raises(ConfigError, match="step_1 was trained on other rows than the recipe's data gives now"):
+        train(recipe_from_dict(values), tmp_path / "run")
 
 
 def test_offline_on_real_data(real_values, real_run, tmp_path):

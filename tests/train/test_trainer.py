@@ -191,6 +191,22 @@ def test_a_checkpoint_resumes_only_into_the_head_it_holds(full_run, tmp_path, ov
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.lr=1e-3"], "optim.lr: 0.003 then, 0.001 now"),
+    (["optim.betas=[0.8, 0.9]"], "optim.betas: [0.9, 0.95] then, [0.8, 0.9] now"),
+    (["optim.weight_decay=0.1"], "optim.weight_decay: 0.0 then, 0.1 now"),
+])
+def test_a_checkpoint_resumes_only_with_the_optimizer_settings_it_holds(full_run, tmp_path, overrides, words):
+    """Loading a checkpoint restores its optimizer's lr, betas and weight decay over the recipe's: a change is
+    refused by name, not trained on silently with the old values."""
+    _, run = full_run
+    shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ConfigError) as refused:
+        train(load_recipe("ci-tiny", QUIET + overrides), tmp_path)
+    assert words in str(refused.value) and "step_8 holds optimizer states of other settings" in str(refused.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_durable_replace_flushes_everything_then_swaps(tmp_path, monkeypatch):
     """Every file and directory of the new checkpoint reaches the disk before the rename, the renames after it; the
     old directory of the same name is replaced whole."""
