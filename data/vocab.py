@@ -47,7 +47,7 @@ def draft_vocab(
 def main(argv: list[str] | None = None) -> None:
     from eyas.common.assets import resolve_target
     from eyas.common.checkpoint import target_config
-    from eyas.data.conversations import FORMATS
+    from eyas.data.conversations import FORMATS, ConversationError
     from eyas.data.dataset import DataConfig, build_dataset
     from eyas.data.tokenizer import load_tokenizer
 
@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--target {args.target}: its tokenizer has no chat template (a base model?), so the assistant's "
                      "tokens cannot be found")
     config = DataConfig(args.max_length, args.format, args.num_proc, args.cache_dir)
-    counts = token_counts(build_dataset(data, tokenizer, config), target_config(target).vocab_size)
+    try:
+        rows = build_dataset(data, tokenizer, config)
+    except ConversationError as e:  # a file with no usable conversation: its message names the file
+        parser.error(f"--data: {e}")
+    counts = token_counts(rows, target_config(target).vocab_size)
     hot = draft_vocab(counts, args.size, order="by_frequency")
     hot.save_token_map(args.output)
     covered = counts[hot.hot_ids].sum() / counts.sum().clamp(min=1)

@@ -31,6 +31,7 @@ from torch import Tensor
 from eyas.common.assets import resolve_asset, resolve_target
 from eyas.common.config import ConfigError
 from eyas.common.hot_vocab import HotVocab
+from eyas.data.conversations import ConversationError
 from eyas.data.dataset import build_dataset
 from eyas.data.hidden_states import HiddenStateDataset, check_rows
 from eyas.data.tokenizer import load_tokenizer
@@ -87,7 +88,12 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
                           f"vocabulary of {vocab_size}: set data.tokenizer to the target's own")
     # Each source is tokenized and cached on its own (keyed on its file), so changing the mix reuses every cache;
     # repeats are not materialized here but applied to the training split (load_data).
-    parts = [build_dataset(path, tokenizer, cfg) for path in paths]
+    parts = []
+    for source, path in zip(sources, paths, strict=True):
+        try:
+            parts.append(build_dataset(path, tokenizer, cfg))
+        except ConversationError as e:  # a file with no usable conversation, or a bad record in strict mode
+            raise ConfigError(f"{source.key}: {e}") from None
     rows = concatenate_datasets([part.add_column(SOURCE, [k] * len(part)) for k, part in enumerate(parts)])
     if cfg.max_conversations is not None:
         rows = rows.select(range(min(cfg.max_conversations, len(rows))))

@@ -62,6 +62,19 @@ def test_cli_refuses_a_tokenizer_without_a_chat_template(smollm2_tokenizer, tmp_
     assert stopped.value.code == 2 and "its tokenizer has no chat template" in capsys.readouterr().err
 
 
+def test_cli_names_a_file_without_a_usable_conversation(smollm2_tokenizer, tmp_path, capsys):
+    smollm2_tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "target" / "config.json").write_text(json.dumps(hf_config_dict("llama",
+                                                                               vocab_size=len(smollm2_tokenizer))))
+    data = tmp_path / "empty.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": ""}]}) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", str(tmp_path / "target"), "--data", str(data), "--output", str(tmp_path / "freq.pt"),
+              "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--data: no usable conversation" in err and "Traceback" not in err
+
+
 def test_cli_names_a_missing_data_file(tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(SystemExit) as stopped:  # a usage error before the (here unloadable) target loads

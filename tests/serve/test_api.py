@@ -282,6 +282,7 @@ BAD = [  # (body, status, field named in the message, words in the message)
     ({"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "not supported"),
     ({"model": MODEL, "messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
     ({"model": MODEL, "messages": QUESTION, "logit_bias": {"42": -100}}, 400, "logit_bias", "not supported"),
+    ({"model": MODEL, "messages": QUESTION, "seed": 2**64 - 1}, 400, "seed", "less than 9223372036854775808"),
 ]
 
 

@@ -181,6 +181,15 @@ def test_a_tokenizer_without_a_chat_template_is_refused_by_key(conversations, sm
         load_rows(recipe_from_dict(values), 49152)
 
 
+def test_a_source_without_a_usable_conversation_is_named_by_key(conversations, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"messages": [{"role": "user", "content": ""}]}) + "\n")
+    values = recipe_values(conversations, tmp_path)
+    values["data"]["path"] = [str(conversations), str(empty)]
+    with pytest.raises(ConfigError, match=r"data.path\[1\]: no usable conversation"):
+        load_rows(recipe_from_dict(values), 49152)
+
+
 @pytest.mark.parametrize("entry, words", [
     ("missing.jsonl", ["data.path[1]: ", "'missing.jsonl' is neither an existing path nor a packaged data set"]),
     ("no-such-set", ["data.path[1]: ", "'no-such-set'", "sharegpt"]),
