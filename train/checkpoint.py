@@ -4,8 +4,8 @@
     step_N/rng_rank{R}.pt      python, numpy and torch (CPU + CUDA) RNG states of rank R
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
                                that decide which rows a position means (`check_resumable`), "head": the head's
-                               shape and precision (`check_same_head`), "optimizer": the settings its optimizer
-                               and lr schedule states hold (`check_same_optimizer`), "rows": a hash of the data's
+                               shape and precision (`check_same`), "optimizer": the settings its optimizer
+                               and lr schedule states hold (`check_same`), "rows": a hash of the data's
                                row lengths (`check_same_rows`)}; written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
@@ -121,26 +121,24 @@ def check_resumable(path: Path, data_order: dict, total_steps: int) -> None:
                           "model.init_from=<its run>/final to train its head further)")
 
 
-def check_same_head(path: Path, head: dict) -> None:
-    """Raises a ConfigError, before the checkpoint loads, when this run's head (`head`: its config and precision,
-    from the recipe's model section and the target) is not the checkpoint's: its weights or optimizer states would
-    not fit, or would feed other layers. Checkpoints written before the head was recorded are not compared."""
-    changed = _changes(json.loads((path / "trainer_state.json").read_text()).get("head"), head)
-    if changed:
-        raise ConfigError(f"{path} holds another head ({changed}): resume with the recipe's model settings "
-                          "(model.draft_vocab_size, model.aux_layers, model.precision, the target) as they were, "
-                          "or train into another --output")
+# A resume whose record under the key differs from the checkpoint's: what it would do wrong, what to do instead.
+_REFUSALS = {
+    "head": "holds another head ({}): its weights or optimizer states would not fit, or would feed other layers; "
+            "resume with the recipe's model settings (model.draft_vocab_size, model.aux_layers, model.precision, the "
+            "target) as they were, or train into another --output",
+    "optimizer": "holds optimizer states of other settings ({}), which resuming would restore over the recipe's: "
+                 "resume with them as they were, or train its head further into another --output with "
+                 "model.init_from=<its run>/final (a fresh optimizer)",
+}
 
 
-def check_same_optimizer(path: Path, optimizer: dict) -> None:
-    """Raises a ConfigError, before the checkpoint loads, when this run's optimizer settings (`optimizer`: the
-    recipe's peak lr, betas and weight decay) are not the checkpoint's: loading its optimizer and lr schedule states
-    would silently put the checkpoint's back. Checkpoints written before they were recorded are not compared."""
-    changed = _changes(json.loads((path / "trainer_state.json").read_text()).get("optimizer"), optimizer)
+def check_same(path: Path, key: str, now: dict) -> None:
+    """Raises a ConfigError, before the checkpoint loads, when this run's record under `key` ("head": the head's
+    config and precision; "optimizer": the recipe's peak lr, betas and weight decay) is not the checkpoint's.
+    Checkpoints written before a record was kept are not compared."""
+    changed = _changes(json.loads((path / "trainer_state.json").read_text()).get(key), now)
     if changed:
-        raise ConfigError(f"{path} holds optimizer states of other settings ({changed}), which resuming would restore "
-                          "over the recipe's: resume with them as they were, or train its head further into another "
-                          "--output with model.init_from=<its run>/final (a fresh optimizer)")
+        raise ConfigError(f"{path} " + _REFUSALS[key].format(changed))
 
 
 def check_same_rows(path: Path, rows: str) -> None:

@@ -290,7 +290,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     data_order, optimizer_settings = _data_order(recipe, world_size), _optimizer_settings(recipe)
     if found:
         checkpoint.check_resumable(found[-1], data_order, recipe.optim.total_steps)
-        checkpoint.check_same_optimizer(found[-1], optimizer_settings)
+        checkpoint.check_same(found[-1], "optimizer", optimizer_settings)
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
     dtype = _dtype(recipe.model, device)
@@ -304,7 +304,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     precision = str(dtype).removeprefix("torch.")
     head_record = dataclasses.asdict(config) | {"aux_layers": aux_layers, "precision": precision}
     if found:
-        checkpoint.check_same_head(found[-1], head_record)
+        checkpoint.check_same(found[-1], "head", head_record)
     data = _prepare_data(recipe, target, aux_layers, rank)
     if found:
         checkpoint.check_same_rows(found[-1], data.rows_digest)
