@@ -30,9 +30,13 @@ class MetricsLog:
         if cfg.wandb_project is not None:
             import wandb
 
+            # The run's wandb id, kept beside the metrics: a resumed training continues its wandb run, not a new one.
+            id_file = path.with_name("wandb-run-id")
+            if not id_file.exists():
+                id_file.write_text(wandb.util.generate_id() + "\n")
             self.wandb = wandb.init(
                 project=cfg.wandb_project, name=cfg.run_name, mode=cfg.wandb_mode, config=run_config,
-                dir=str(path.parent), resume="allow",
+                dir=str(path.parent), id=id_file.read_text().strip(), resume="allow",
             )
 
     def _keep_until(self, resume_step: int, final_step: int) -> None:

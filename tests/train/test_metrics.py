@@ -3,6 +3,8 @@ crash cut short."""
 
 import json
 import logging
+import sys
+import types
 
 from eyas.train.config import LoggingConfig
 from eyas.train.metrics import MetricsLog
@@ -41,3 +43,19 @@ def test_a_finished_run_run_again_drops_its_final_evaluation(tmp_path):
     write(path, records)
     MetricsLog(path, LoggingConfig(), {}, resume_step=2, final_step=2)
     assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """wandb (not installed here: a stand-in records what `init` is given) gets one id per output directory, the
+    same on every resume, so a resumed training logs into its run instead of starting another."""
+    inits = []
+    ids = iter(["first", "second"])
+    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw), util=types.SimpleNamespace(
+        generate_id=lambda: next(ids)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = LoggingConfig(wandb_project="eyas")
+    for resume_step in (0, 2):
+        MetricsLog(tmp_path / "metrics.jsonl", cfg, {}, resume_step=resume_step, final_step=4)
+    (tmp_path / "other").mkdir()
+    MetricsLog(tmp_path / "other" / "metrics.jsonl", cfg, {}, resume_step=0, final_step=4)
+    assert [kw["id"] for kw in inits] == ["first", "first", "second"] and all(kw["resume"] == "allow" for kw in inits)
