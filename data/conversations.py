@@ -5,13 +5,14 @@
         ...
     print(report.summary())  # "...: 17545 conversations from 17671 records; skipped 126 ...; file ended mid-record"
 
-Files are recognised by content: a JSON array (ShareGPT's layout) or JSON lines. Each record's layout is
-recognised by its keys (or forced with `format=`):
+Files are recognised by content: a JSON array (ShareGPT's layout), JSON lines, or one record spread over lines
+(a single pretty-printed conversation). Each record's layout is recognised by its keys (or forced with `format=`):
   "sharegpt":  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}
   "messages":  {"messages": [{"role", "content"}, ...]}   OpenAI chat JSONL, HF ultrachat_200k rows
   "ultrachat": {"data": [user, assistant, user, ...]}     the original UltraChat release
 A bad record (unknown role, empty or non-string content, no assistant turn, roles out of order, malformed
-JSON) is skipped and counted with its file and place; `strict=True` raises `ConversationError` instead.
+JSON) is skipped and counted with its file and place ("line 3" in JSONL, "record 3" elsewhere; both count from 1);
+`strict=True` raises `ConversationError` instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +44,7 @@ ROLES = {
 
 
 class ConversationError(ValueError):
-    """A record is bad (strict mode); the message names the file and the record's index or line."""
+    """A record is bad (strict mode); the message names the file and the record's number or line."""
 
 
 @dataclass
@@ -94,7 +96,8 @@ def read_conversations(
             raise ConversationError(f"{path}: {place}: {reason}")
         report.skipped.append((place, reason))
 
-    records = _json_array(text, cut) if text.lstrip().startswith("[") else _json_lines(text, cut)
+    body = text.lstrip()
+    records = _json_array(text, cut) if body.startswith("[") else _json_object(body, cut) or _json_lines(text, cut)
     for place, record in records:
         if record is _CUT:
             report.truncated = True
@@ -127,7 +130,7 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
     a record still yields every complete record before the cut; the cut yields (place, _CUT). With `cut` (the text
     stops inside the file) a record that does not parse is the one the cut split."""
     decoder = json.JSONDecoder()
-    i, index = text.index("[") + 1, 0
+    i, index = text.index("[") + 1, 1  # counted from 1, as JSONL's lines are
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
@@ -149,6 +152,26 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
             return
         yield f"record {index}", record
         index += 1
+
+
+# What follows the place where a cut JSON value stops parsing: nothing, or a string, number, literal or \u escape cut.
+_CUT_TOKEN = re.compile(r'"[^\n]*|[\w.+-]*')
+
+
+def _json_object(text: str, cut: bool = False) -> list[tuple[str, object]] | None:
+    """[("record 1", record)] if `text` (stripped of leading blanks) is one JSON value spread over lines, a single
+    pretty-printed record; [("record 1", _CUT)] if `cut` stopped the text inside one; else None: JSON lines.
+    JSONL costs one line's parse here: its first value ends at its first line's end."""
+    try:
+        record, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError as e:
+        # A value spread over lines and cut by the read stops parsing at the text's end or in its last string,
+        # number or literal; any other failure, and any failure of a text not cut, is a bad first JSONL line.
+        if cut and e.lineno > 1 and _CUT_TOKEN.fullmatch(text[e.pos :].rstrip()):
+            return [("record 1", _CUT)]
+        return None
+    # A one-line value is a JSONL line; `and` spares copying the rest of a big JSONL text.
+    return [("record 1", record)] if text.find("\n", 0, end) >= 0 and not text[end:].strip() else None
 
 
 def _json_lines(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:

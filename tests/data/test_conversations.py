@@ -77,14 +77,16 @@ def test_bad_records_are_skipped_and_reported(tmp_path):
         read(path, strict=True)
 
 
-def test_bad_record_in_json_array_names_its_index(tmp_path):
+def test_bad_record_in_json_array_names_its_number_from_1(tmp_path):
     records = [{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}] * 2
     records.insert(1, {"conversations": [{"from": "human", "value": "x"}, {"from": "alien", "value": "y"}]})
     path = write(tmp_path / "a.json", json.dumps(records))
     convs, report = read(path)
-    assert len(convs) == 2 and report.skipped[0][0] == "record 1"
-    with pytest.raises(ConversationError, match=r"a\.json: record 1: unknown role 'alien'"):
+    assert len(convs) == 2 and report.skipped[0][0] == "record 2"
+    with pytest.raises(ConversationError, match=r"a\.json: record 2: unknown role 'alien'"):
         read(path, strict=True)
+    _, report = read(write(tmp_path / "b.json", json.dumps([None, records[0]])))
+    assert report.skipped[0][0] == "record 1"
 
 
 def test_truncated_json_array(tmp_path):
@@ -92,7 +94,7 @@ def test_truncated_json_array(tmp_path):
     text = json.dumps([record] * 3)
     convs, report = read(write(tmp_path / "cut.json", text[: text.rindex("gpt")]))
     assert len(convs) == 2 and report.truncated and "file ended mid-record" in report.summary()
-    with pytest.raises(ConversationError, match="record 2: file ended mid-record"):
+    with pytest.raises(ConversationError, match="record 3: file ended mid-record"):
         read(tmp_path / "cut.json", strict=True)
 
 
@@ -115,7 +117,7 @@ def test_null_records_are_bad_records_not_the_end_of_the_file(tmp_path):
                        f"{json.dumps(good)}\n"}.items():
         convs, report = read(write(tmp_path / name, text))
         assert len(convs) == 2 and not report.truncated and report.records == 3, name
-        place = "record 1" if name == "a.json" else "line 2"
+        place = "record 2" if name == "a.json" else "line 2"  # the same record, numbered alike
         assert report.skipped == [(place, "expected a JSON object, got NoneType")]
 
 
@@ -140,7 +142,38 @@ def test_broken_json_in_a_closed_array_says_the_rest_is_unread(tmp_path):
     good = json.dumps({"messages": CHAT})
     convs, report = read(write(tmp_path / "broken.json", f'[{good}, {{"messages": ::}}, {good}]'))
     assert len(convs) == 1 and not report.truncated
-    assert report.skipped[0][0] == "record 1" and "the records after it" in report.skipped[0][1]
+    assert report.skipped[0][0] == "record 2" and "the records after it" in report.skipped[0][1]
+
+
+def test_one_record_spread_over_lines(tmp_path):
+    """A file of one pretty-printed conversation (a user's single example) is that record, not lines of bad JSON."""
+    turns = [{"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]} for m in CHAT]
+    for name, record in {"sharegpt.json": {"conversations": turns}, "messages.json": {"messages": CHAT}}.items():
+        convs, report = read(write(tmp_path / name, "\n" + json.dumps(record, indent=2) + "\n"))
+        assert convs == [CHAT] and (report.records, report.skipped, report.truncated) == (1, [], False), name
+    _, report = read(write(tmp_path / "bad.json", json.dumps({"messages": CHAT[1:2]}, indent=2)))
+    assert [place for place, _ in report.skipped] == ["record 1"]
+
+
+def test_one_record_spread_over_lines_cut_by_max_bytes(tmp_path):
+    text = json.dumps({"messages": CHAT}, indent=2)
+    path = write(tmp_path / "one.json", text)
+    for cut_at in (2, text.index("Hello"), len(text) - 2):  # after the "{" line, inside a string, before the "}"
+        convs, report = read(path, max_bytes=cut_at)
+        assert convs == [] and report.truncated and report.records == 0 and not report.skipped, cut_at
+    with pytest.raises(ConversationError, match="record 1: file ended mid-record"):
+        read(path, max_bytes=len(text) - 2, strict=True)
+
+
+def test_jsonl_with_a_bad_first_line_stays_jsonl(tmp_path):
+    """Only a text that is one JSON object is read whole: a bad first line of JSONL is one bad line, cut or not."""
+    good = json.dumps({"messages": CHAT})
+    for first in ("{not json", '{"messages": ['):
+        text = f"{first}\n{good}\n{good}\n"
+        path = write(tmp_path / "a.jsonl", text)
+        for max_bytes, want in ((None, (2, False)), (len(text) - 5, (1, True))):  # whole; cut inside line 3
+            convs, report = read(path, max_bytes=max_bytes)
+            assert (len(convs), report.truncated) == want and [p for p, _ in report.skipped] == ["line 1"], first
 
 
 def test_json_array_cut_by_max_bytes_after_an_inner_bracket(tmp_path):
