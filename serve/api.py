@@ -7,12 +7,16 @@ Endpoints:
   POST /v1/chat/completions   model, messages, max_tokens | max_completion_tokens, temperature, top_p, top_k,
                               seed, stop, stream, stream_options.include_usage, n (1 only), user (ignored)
   POST /v1/completions        the same with `prompt` (a string) instead of `messages`
-  GET  /v1/models, /v1/models/{model}, /health, /metrics (Prometheus; see metrics.py)
+  GET  /v1/models, /v1/models/{model}, /metrics (Prometheus; see metrics.py)
+  GET  /health                {"status": "ok"}, or a 503 {"status": "unavailable", "reason"} while shutting down
+                              or when the engine thread is not running
 
 OpenAI's options that this server does not implement (logprobs, top_logprobs, frequency_penalty, presence_penalty,
 logit_bias; echo, best_of and suffix of completions) are accepted at the values that ask for nothing (false, 0, {},
 1 for best_of, null), else refused with a 400 whose code is "unsupported_parameter". A "developer" message is a
 system message.
+
+A message's content is a string or a list of text parts, joined with "\\n"; other parts (images, audio) are a 400.
 
 Streaming answers are server-sent events (`data: {chunk}\\n\\n`, ending with `data: [DONE]\\n\\n`); with
 `stream_options: {"include_usage": true}` (streaming only) a last chunk with empty `choices` carries `usage`, the
@@ -31,7 +35,8 @@ counted, or null with no verification (speculation off, or the answer ended at i
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, unknown
 or mistyped fields, bad values, a prompt longer than the context; 404 for an unknown model or path; 503 while
-shutting down. A client that disconnects mid-stream has its request aborted (its KV blocks freed).
+shutting down, and for a request the shutdown aborted unfinished; 500 for one an engine failure ended (a stream ends
+with an error event instead). A client that disconnects mid-stream has its request aborted (its KV blocks freed).
 """
 
 from __future__ import annotations
@@ -100,7 +105,8 @@ class ChatMessage(_Strict):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # Parts are separate blocks of text (vLLM joins them so too): "Hello" and "world" are not "Helloworld".
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class StreamOptions(_Strict):
@@ -239,6 +245,11 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 # ---- generation ---------------------------------------------------------------------------------------
 
+# Finishes that are no answer, with the status and error type a client gets instead (in a stream, an error event):
+# OpenAI has no finish_reason for them. A request aborted while its client still reads was aborted by the shutdown
+# (a client that left reads nothing); one whose stop string was found first has its answer ("stop").
+_NO_ANSWER = {"error": (500, "server_error"), "abort": (503, "service_unavailable")}
+
 
 class Generation:
     """One request's text: `pieces()` yields the text to show; then `reason`, `completion_tokens`, `stats`."""
@@ -354,8 +365,8 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
             text = await _unless_disconnected(request, _join(gen.pieces()))
             if text is None:
                 return Response(status_code=499)  # nobody reads it; the request was aborted
-            if gen.finish.reason == "error":
-                raise APIError(500, gen.finish.error, "server_error")
+            if failed := _NO_ANSWER.get(gen.reason):
+                raise APIError(failed[0], gen.finish.error, failed[1])
             return {**head, "choices": [choice(text, gen.reason)], "usage": gen.usage(len(prompt)),
                     "eyas": gen.stats()}
 
@@ -370,8 +381,8 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
                 yield event({"choices": [choice(None, None, first=True)]})
             async for piece in gen.pieces():
                 yield event({"choices": [choice(piece, None)]})
-            if gen.finish.reason == "error":
-                yield f"data: {json.dumps(_error_body(gen.finish.error, 'server_error'))}\n\n"
+            if failed := _NO_ANSWER.get(gen.reason):
+                yield f"data: {json.dumps(_error_body(gen.finish.error, failed[1]))}\n\n"
             elif include_usage:
                 yield event({"choices": [choice(None, gen.reason)]})
                 yield event({"choices": [], "usage": gen.usage(len(prompt)), "eyas": gen.stats()})
@@ -411,7 +422,9 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
         return card
 
     @app.get("/health")
-    async def health():
+    async def health():  # a load balancer sends requests elsewhere on a 503
+        if reason := worker.unavailable():
+            return JSONResponse({"status": "unavailable", "reason": reason}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")

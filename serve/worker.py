@@ -41,7 +41,7 @@ class ShuttingDown(RuntimeError):
 class Finish:
     reason: str  # "stop", "length", "abort" or "error"
     accepted: list[int]  # per verification, the draft tokens it accepted
-    error: str | None = None
+    error: str | None = None  # why, for "error" and for an "abort" at the shutdown's deadline
 
 
 class Stream:
@@ -107,6 +107,14 @@ class EngineWorker:
             raise
         return stream
 
+    def unavailable(self) -> str | None:
+        """Why no request can be served now (what /health answers), or None."""
+        if self._closed:
+            return "the server is shutting down"
+        if not self._thread.is_alive():  # not started, or ended by an exception outside `step`
+            return "the engine thread is not running"
+        return None
+
     def abort(self, stream: Stream, reason: str = "abort") -> None:
         """Ends the request now with `reason` ("stop" for a stop string found in the text); its Finish still
         arrives, with the engine's reason if it had finished already."""
@@ -131,7 +139,8 @@ class EngineWorker:
                     self._publish()  # the Finish of a request this last batch of commands aborted
                     break
                 if time.monotonic() > self._deadline:
-                    for request in list(self._live):
+                    for request in list(self._live):  # their clients still wait: the Finish says why
+                        self._errors[request] = "the server shut down before the request finished"
                         engine.abort(request)
             if engine.has_work():
                 try:

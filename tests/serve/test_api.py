@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -283,6 +284,9 @@ BAD = [  # (body, status, field named in the message, words in the message)
     ({"model": MODEL, "messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
     ({"model": MODEL, "messages": QUESTION, "logit_bias": {"42": -100}}, 400, "logit_bias", "not supported"),
     ({"model": MODEL, "messages": QUESTION, "seed": 2**64 - 1}, 400, "seed", "less than 9223372036854775808"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                              {"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     400, "messages", "content.1.type: input should be 'text'"),
 ]
 
 
@@ -332,6 +336,16 @@ def test_a_developer_message_is_a_system_message(server):
     client = server.client()
     answers = [client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
         {"role": role, "content": "Answer briefly."}, *QUESTION]) for role in ("developer", "system")]
+    assert answers[0].usage == answers[1].usage and answers[0].choices[0].message == answers[1].choices[0].message
+
+
+def test_text_parts_are_joined_by_newlines(server):
+    """OpenAI's list form of content: its text parts are blocks of text, joined with "\\n" (as vLLM does), not run
+    together ("Helloworld")."""
+    client = server.client()
+    answers = [client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": content}]) for content in
+        ([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}], "Hello\nworld")]
     assert answers[0].usage == answers[1].usage and answers[0].choices[0].message == answers[1].choices[0].message
 
 
@@ -400,6 +414,9 @@ def decoding_held(server, monkeypatch):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch):
+    """The client leaves while its stream waits for the engine (decoding held: no token comes), and is noticed then,
+    not at the next token: under ASGI spec < 2.4, which uvicorn declares, Starlette's StreamingResponse listens for
+    the disconnect beside the stream and cancels it."""
     aborted = server.metric("eyas_requests_finished_total", reason="abort")
     body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT, "temperature": 1.0, "stream": True}
     with decoding_held(server, monkeypatch), httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
@@ -454,6 +471,64 @@ def test_step_failure_ends_the_running_requests_only(server):
     assert server.metric("eyas_requests_finished_total", reason="error") == 1
     out = server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
     assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the simulated thread death
+def test_health_is_503_when_the_worker_cannot_serve(monkeypatch):
+    """A load balancer reads /health: the worker shutting down, or its engine thread ended by an exception outside
+    `step`, is a 503 with the reason."""
+    with Server(speculative=False, num_blocks=32) as s:
+        assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
+        s.worker.shutdown()
+        r = httpx.get(f"{s.url}/health")
+        assert r.status_code == 503 and r.json() == {"status": "unavailable", "reason": "the server is shutting down"}
+
+    def broken():
+        raise RuntimeError("simulated failure outside a step")
+
+    dead = Server(speculative=False, num_blocks=32)
+    monkeypatch.setattr(dead.worker.engine, "has_work", broken)  # the thread's first call
+    with dead:
+        dead.worker._thread.join(10)
+        r = httpx.get(f"{dead.url}/health")
+        assert r.status_code == 503 and r.json()["reason"] == "the engine thread is not running"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_shutdown_aborts_is_an_error(stream, monkeypatch):
+    """A request still running at the shutdown's deadline is aborted while its client waits: that client gets a 503
+    (in a stream, an error event), not the engine's finish reason "abort", which OpenAI does not have."""
+    with Server(speculative=False, num_blocks=32) as s, ThreadPoolExecutor() as pool:
+        worker, release, decode = s.worker, threading.Event(), s.worker.engine._decode
+
+        def held(requests, after=None):  # the request cannot finish before the shutdown's deadline
+            release.wait(10)
+            return decode(requests, after)
+
+        monkeypatch.setattr(worker.engine, "_decode", held)
+        body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 64, "stream": stream}
+        answer = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=30)
+        until(lambda: s.metric("eyas_generation_tokens_total") > 0)  # prefilled: the first decode step waits
+        stopping = pool.submit(worker.shutdown, 0.0)
+        until(lambda: not worker._inbox.empty())  # the shutdown's deadline is queued, already past
+        release.set()
+        stopping.result(10)
+        r = answer.result(10)
+    assert '"abort"' not in r.text and s.metric("eyas_requests_finished_total", reason="abort") == 1
+    if stream:
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        error = json.loads(r.text.split("data: ")[-2])["error"]
+    else:
+        assert r.status_code == 503
+        error = r.json()["error"]
+    assert error["type"] == "service_unavailable" and "shut down" in error["message"], r.text
+
+
+def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_speculation_off_serves_without_stats():
