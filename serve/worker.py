@@ -12,7 +12,8 @@ The engine is not thread-safe, so only this thread touches it (and its requests)
 a `queue.Queue`; token deltas and the finish go back with `loop.call_soon_threadsafe` into each request's
 `asyncio.Queue`, after the metrics are updated (so a client that has its answer reads /metrics up to date). An
 exception inside `step` ends the requests that were running with reason "error" (their blocks freed) and the
-loop goes on.
+loop goes on. An exception elsewhere ends the thread: every request it holds or has queued ends with an error,
+later ones are refused (a 503), and /health says so.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ class EngineWorker:
         self._live: dict[Request, Stream] = {}
         self._errors: dict[Request, str] = {}
         self._deadline: float | None = None  # set by shutdown: abort what is still running after it
-        self._closed = False  # read on the asyncio side, set by `shutdown`
+        self._closed = False  # read on the asyncio side, set by `shutdown` and by the thread's failure
+        self._closing = threading.Lock()  # a submit either queues before the failed thread drains, or is refused
+        self._failure: str | None = None  # why the engine thread ended, if it failed
         self._thread = threading.Thread(target=self._run, name="eyas-engine", daemon=True)
 
     # ---- asyncio side -----------------------------------------------------------------------------
@@ -95,11 +98,12 @@ class EngineWorker:
     ) -> Stream:
         """Queues a request; raises ValueError when the engine rejects it, ShuttingDown after `shutdown`. A submitter
         cancelled while it waits (a client gone) aborts the request: commands run in order, so after its add."""
-        if self._closed:
-            raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         stream, added = Stream(loop), loop.create_future()
-        self._inbox.put(("add", stream, (prompt, params, max_new_tokens, stop_ids), added))
+        with self._closing:
+            if self._closed:
+                raise ShuttingDown(self.unavailable())
+            self._inbox.put(("add", stream, (prompt, params, max_new_tokens, stop_ids), added))
         try:
             await added
         except asyncio.CancelledError:
@@ -109,9 +113,11 @@ class EngineWorker:
 
     def unavailable(self) -> str | None:
         """Why no request can be served now (what /health answers), or None."""
+        if self._failure is not None:
+            return self._failure
         if self._closed:
             return "the server is shutting down"
-        if not self._thread.is_alive():  # not started, or ended by an exception outside `step`
+        if not self._thread.is_alive():  # not started
             return "the engine thread is not running"
         return None
 
@@ -122,13 +128,21 @@ class EngineWorker:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops accepting requests, lets running ones finish for `timeout` seconds, aborts the rest, joins."""
-        self._closed = True
+        with self._closing:
+            self._closed = True
         self._inbox.put(("stop", None, time.monotonic() + timeout, None))
         self._thread.join()
 
     # ---- engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug outside `step`: nobody may wait for a thread that is gone
+            log.exception("the engine thread failed; the server stops serving")
+            self._fail_all(f"the engine thread failed: {type(e).__name__}: {e}")
+
+    def _serve(self) -> None:
         engine = self.engine
         if engine.device.type == "cuda":
             torch.cuda.set_device(engine.device)  # per thread; Triton kernels launch on the current device
@@ -178,6 +192,20 @@ class EngineWorker:
                 self.engine.abort(stream.request)
         elif kind == "stop":
             self._deadline = payload
+
+    def _fail_all(self, message: str) -> None:
+        """Ends every request held or queued with `message`, without the engine (whose state is not trusted now)."""
+        with self._closing:
+            self._failure, self._closed = message, True
+        for stream in self._live.values():
+            stream.put(Finish("error", [], message))
+        while True:
+            try:
+                kind, stream, _, added = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                stream.call(_settle, added, ShuttingDown(message))
 
     def _fail_running(self, message: str) -> None:
         for request in list(self.engine.running):

@@ -474,24 +474,34 @@ def test_step_failure_ends_the_running_requests_only(server):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the simulated thread death
-def test_health_is_503_when_the_worker_cannot_serve(monkeypatch):
-    """A load balancer reads /health: the worker shutting down, or its engine thread ended by an exception outside
-    `step`, is a 503 with the reason."""
+def test_health_is_503_while_shutting_down():
+    """A load balancer reads /health: a worker shutting down is a 503 with the reason."""
     with Server(speculative=False, num_blocks=32) as s:
         assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
         s.worker.shutdown()
         r = httpx.get(f"{s.url}/health")
         assert r.status_code == 503 and r.json() == {"status": "unavailable", "reason": "the server is shutting down"}
 
-    def broken():
-        raise RuntimeError("simulated failure outside a step")
 
-    dead = Server(speculative=False, num_blocks=32)
-    monkeypatch.setattr(dead.worker.engine, "has_work", broken)  # the thread's first call
-    with dead:
-        dead.worker._thread.join(10)
-        r = httpx.get(f"{dead.url}/health")
-        assert r.status_code == 503 and r.json()["reason"] == "the engine thread is not running"
+def test_a_failed_engine_thread_ends_its_requests_and_refuses_new_ones(monkeypatch):
+    """An exception outside `step` ends the engine thread: the request it held gets a 500, not a wait forever; later
+    ones a 503, and /health names the failure."""
+    with Server(speculative=False, num_blocks=32) as s:
+        has_work = s.worker.engine.has_work
+
+        def broken():  # fails once a request is in: outside `step`, where the worker does not catch it
+            if has_work():
+                raise RuntimeError("simulated failure outside a step")
+            return False
+
+        monkeypatch.setattr(s.worker.engine, "has_work", broken)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "simulated failure" in r.json()["error"]["message"]
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "simulated failure" in r.json()["error"]["message"]
+        r = httpx.get(f"{s.url}/health")
+        assert r.status_code == 503 and r.json()["reason"].startswith("the engine thread failed: RuntimeError")
 
 
 @pytest.mark.parametrize("stream", [False, True])
