@@ -2,7 +2,7 @@
 the target's dumped states `aux` [B, T, 3·Ht] and `hidden` [B, T, Ht] (or `logits` [B, T, V]).
 
 `Batches` collates them from rows (a tokenized data set, `synthetic_rows` for CI, or the dumped hidden states of
-either) by groups of row indices; `micro_batches` deals them out to ranks, epoch after epoch.
+either) by groups of row indices; `micro_batches` deals them out to ranks in turn, epoch after epoch.
 """
 
 from __future__ import annotations
@@ -59,14 +59,15 @@ def synthetic_rows(cfg: SyntheticData, vocab_size: int) -> Dataset:
 
 
 def micro_batches(batches: Sequence[Batch], start: int, rank: int, world_size: int) -> Iterator[tuple[int, Batch]]:
-    """Endless (position, batch) pairs for this rank, epoch after epoch, from position `start` on.
+    """Endless (position, batch) pairs for this rank, from position `start` on.
 
-    A position counts this rank's micro-batches; batch j of an epoch goes to rank j % world_size. Positions map
-    to batches directly, so a resumed run continues on exactly the batches the interrupted one would have seen
-    next without reading the ones before.
+    A position counts this rank's micro-batches. The ranks deal the batches out in turn, epoch after epoch with no
+    break between them: at position p, rank r takes batch (p·world_size + r) mod len(batches). So every rank takes
+    one at each position and every batch is trained on once an epoch, however many ranks share them: with 10 batches
+    over 4 ranks, positions 0 and 1 take batches 0-7, position 2 batches 8, 9 and the next epoch's 0, 1. (Ranks each
+    cycling through a share of their own would not: ranks 0-1 holding 3 batches and ranks 2-3 two, the latter's
+    would be trained on 3 times for every 2 of the former's.) Positions map to batches directly, so a resumed run
+    continues on exactly the batches the interrupted one would have seen next without reading the ones before.
     """
-    mine = range(rank, len(batches), world_size)
-    if not mine:
-        raise ValueError(f"no training batches for rank {rank} of {world_size}")
     for position in itertools.count(start):
-        yield position, batches[mine[position % len(mine)]]
+        yield position, batches[(position * world_size + rank) % len(batches)]

@@ -5,12 +5,13 @@
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
                                that decide which rows a position means (`check_resumable`), "head": the head's
                                shape and precision (`check_same`), "optimizer": the settings its optimizer
-                               and lr schedule states hold (`check_same`), "rows": a hash of the data's
-                               row lengths (`check_same_rows`)}; written last
+                               and lr schedule states hold (`check_same`), "rows": hashes of the data's
+                               rows, their tokens and their lengths (`check_same_rows`)}; written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
 (`durable_replace`), so a directory named `step_N` is always complete, even after a power loss (a run killed while
-saving leaves only a `.tmp` that is ignored and replaced); older checkpoints are pruned only after that.
+saving leaves only a `.tmp`, which is ignored, and deleted by the next run's start or save: `remove_partial`); older
+checkpoints are pruned only after that.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from eyas.common.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")  # what a cut-short `save` or `durable_replace` leaves
 
 
 def _barrier() -> None:
@@ -57,7 +59,7 @@ def save(engine, root: Path, step: int, position: int, records: dict, keep_last:
     rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_partial(root)  # `tmp` itself too, when a save of this step was cut short
         tmp.mkdir(parents=True)
     _barrier()
     engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
@@ -96,6 +98,16 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_partial(root: Path) -> None:
+    """Deletes the `.step_N.tmp` and `.step_N.old` directories under `root` that saves cut short left: one of a step
+    never saved again would stay forever, holding a whole optimizer state. Rank 0 only, outside `save`: other ranks
+    write into a `.tmp` only inside `save`, between the barriers rank 0 meets there."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if _PARTIAL_DIR.match(path.name):
+                shutil.rmtree(path)
 
 
 def checkpoints(root: Path) -> list[Path]:
@@ -141,11 +153,14 @@ def check_same(path: Path, key: str, now: dict) -> None:
         raise ConfigError(f"{path} " + _REFUSALS[key].format(changed))
 
 
-def check_same_rows(path: Path, rows: str) -> None:
-    """Raises a ConfigError when this run's rows (`rows`: `TrainData.rows_digest`) are not the checkpoint's: a data
-    file edited since (the recipe unchanged) would make its position, and the held-out split, mean other rows."""
+def check_same_rows(path: Path, rows: dict[str, str]) -> None:
+    """Raises a ConfigError when this run's rows (`rows`: `TrainData.rows_record`) are not the checkpoint's: a data
+    file edited since (the recipe unchanged) would make its position, and the held-out split, mean other rows. Hashes
+    that both record are compared: checkpoints of earlier eyas versions hold the lengths' alone."""
     saved = json.loads((path / "trainer_state.json").read_text()).get("rows")
-    if saved is not None and saved != rows:
+    if isinstance(saved, str):  # the record of earlier eyas versions
+        saved = {"lengths": saved}
+    if saved is not None and any(saved[key] != rows[key] for key in saved.keys() & rows.keys()):
         raise ConfigError(f"{path} was trained on other rows than the recipe's data gives now (a data file changed "
                           "since?): its data position would mean other rows; restore the data, or train into another "
                           "--output (with model.init_from=<its run>/final to train its head further)")

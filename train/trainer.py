@@ -291,6 +291,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found:
         checkpoint.check_resumable(found[-1], data_order, recipe.optim.total_steps)
         checkpoint.check_same(found[-1], "optimizer", optimizer_settings)
+    if rank == 0:  # a cut-short save's leftovers: `save` deletes them too, but this run may save no more
+        checkpoint.remove_partial(ckpt_root)
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
     dtype = _dtype(recipe.model, device)
@@ -307,7 +309,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
         checkpoint.check_same(found[-1], "head", head_record)
     data = _prepare_data(recipe, target, aux_layers, rank)
     if found:
-        checkpoint.check_same_rows(found[-1], data.rows_digest)
+        checkpoint.check_same_rows(found[-1], data.rows_record)
     batches, eval_batches = data.train, data.eval
     # A checkpoint holds the whole head, vocabulary included: resuming reads neither model.init_from again nor this
     # run's vocabulary. A head trained further keeps its own. Either way this run's vocabulary is not counted.
@@ -394,7 +396,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
             saved = bool(recipe.checkpoint.every) and step % recipe.checkpoint.every == 0
             if saved or signalled:
                 records = {"data_order": data_order, "head": head_record, "optimizer": optimizer_settings,
-                           "rows": data.rows_digest}
+                           "rows": data.rows_record}
                 path = checkpoint.save(engine, ckpt_root, step, position, records, recipe.checkpoint.keep_last)
             if signalled:
                 if rank == 0:

@@ -5,6 +5,7 @@ when training from dumped hidden states and by two ZeRO-3 processes. Mixed sourc
 repeated alongside, split before repeating, and bad sources named by their index in data.path."""
 
 import copy
+import hashlib
 import itertools
 import json
 import random
@@ -15,13 +16,15 @@ from collections import Counter
 import pytest
 import torch
 import yaml
+from datasets import Dataset, Features, List, Value, concatenate_datasets
 
 from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.data.vocab import draft_vocab, token_counts
-from eyas.train.batches import Batches, micro_batches
-from eyas.train.config import recipe_from_dict
-from eyas.train.data import length_groups, load_data, load_rows, repeated_token_counts
+from eyas.train import checkpoint
+from eyas.train.batches import Batches, micro_batches, synthetic_rows
+from eyas.train.config import load_recipe, recipe_from_dict
+from eyas.train.data import length_groups, lengths_and_digest, load_data, load_rows, repeated_token_counts
 from eyas.train.target import build_random_target
 from eyas.train.trainer import dump, train
 from tests.train import launcher_free_env, metrics
@@ -222,8 +225,16 @@ def test_micro_batch_size_is_the_largest_group():
 def test_micro_batches_resume_in_place():
     batches = list(range(5))  # stands for batches: positions map to them directly
     first = itertools.islice(micro_batches(batches, 0, rank=1, world_size=2), 7)
-    assert list(first) == list(enumerate([1, 3, 1, 3, 1, 3, 1]))
-    assert next(micro_batches(batches, 5, rank=1, world_size=2)) == (5, 3)
+    assert list(first) == list(enumerate([1, 3, 0, 2, 4, 1, 3]))
+    assert next(micro_batches(batches, 5, rank=1, world_size=2)) == (5, 1)
+
+
+def test_ranks_take_every_batch_once_an_epoch():
+    """10 batches over 4 ranks: position by position, the ranks take the batches in order, epoch after epoch, so each
+    rank takes one at every position and no batch is trained on more often than another (ranks each cycling through
+    their own 3 or 2 batches would train batches 2, 3, 6, 7 three times in 6 positions, the others twice)."""
+    dealt = [[b for _, b in itertools.islice(micro_batches(range(10), 0, rank, 4), 6)] for rank in range(4)]
+    assert [dealt[rank][p] for p in range(6) for rank in range(4)] == [*range(10), *range(10), 0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -265,20 +276,61 @@ def test_a_finished_run_run_again_logs_its_evaluations_once(real_values, tmp_pat
     assert [r["step"] for r in first if r["split"] == "eval"] == [0, 2, 4]
 
 
-def test_a_checkpoint_of_rows_edited_since_is_refused(conversations, tmp_path):
+@pytest.mark.parametrize("old, new", [
+    ("?", "? Answer in a long sentence, please."),
+    ("Question 3:", "Question 7:"),  # the same number of tokens: only the tokens tell
+])
+def test_a_checkpoint_of_rows_edited_since_is_refused(conversations, tmp_path, old, new):
     """The recipe unchanged, but a conversation of its file rewritten after the checkpoint: the checkpoint's data
-    position (and held-out split) would mean other rows, so resuming is refused."""
+    position (and held-out split) would mean other rows, so resuming is refused, also when every row keeps its
+    length (another chat template or tokenizer of the same lengths, a word for another)."""
     data = tmp_path / "chats.jsonl"
     data.write_text(conversations.read_text())
     values = recipe_values(conversations, tmp_path)
     values["data"]["path"] = str(data)
     values["checkpoint"] = {"every": 1, "stop_after": 1}
-    assert train(recipe_from_dict(values), tmp_path / "run") is None
+    recipe = recipe_from_dict(values)
+    assert train(recipe, tmp_path / "run") is None
+    before = load_rows(recipe, 49152)["input_ids"]
     lines = data.read_text().splitlines(keepends=True)
-    lines[3] = lines[3].replace("?", "? Answer in a long sentence, please.")
+    lines[3] = lines[3].replace(old, new)
     data.write_text("".join(lines))
+    after = load_rows(recipe, 49152)["input_ids"]
+    assert after != before and (list(map(len, after)) == list(map(len, before))) == (len(old) == len(new))
     with pytest.raises(ConfigError, match="step_1 was trained on other rows than the recipe's data gives now"):
-        train(recipe_from_dict(values), tmp_path / "run")
+        train(recipe, tmp_path / "run")
+
+
+def test_a_checkpoint_of_an_earlier_eyas_is_checked_on_the_row_lengths_it_recorded(tmp_path):
+    """Earlier eyas recorded under "rows" a hash of the rows' lengths alone, a string: such a checkpoint resumes
+    when the lengths are the same (the tokens it cannot tell) and is refused when they are not."""
+    recipe = load_recipe("ci-tiny")
+    rows = synthetic_rows(recipe.data.synthetic, 256)  # 8 rows of 32 tokens
+    rows_record = load_data(recipe.data, rows, 256, 64, seed=0).rows_record
+
+    def resume(lengths: list[int]) -> None:
+        record = hashlib.sha256(str(lengths).encode()).hexdigest()[:16]  # as earlier eyas wrote it
+        (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 1, "rows": record}))
+        checkpoint.check_same_rows(tmp_path, rows_record)
+
+    resume([32] * 8)
+    with pytest.raises(ConfigError, match="trained on other rows than the recipe's data gives now"):
+        resume([32] * 7 + [31])
+
+
+def test_the_rows_digest_is_of_their_tokens_not_of_their_storage():
+    """Any token or mask value changes the digest, the lengths kept; how the rows are stored (int type, Arrow chunks,
+    an index mapping after `select`) does not."""
+    ids, mask = [[5, 6, 7], [8, 9]], [[0, 1, 1], [1, 1]]
+    lengths, digest = lengths_and_digest(Dataset.from_dict({"input_ids": ids, "loss_mask": mask}))
+    assert lengths == [3, 2]
+    edits = [([[5, 6, 7], [8, 10]], mask), (ids, [[1, 1, 1], [1, 1]]), ([[5, 6], [7, 8, 9]], [[0, 1], [1, 1, 1]])]
+    for other_ids, other_mask in edits:
+        assert lengths_and_digest(Dataset.from_dict({"input_ids": other_ids, "loss_mask": other_mask}))[1] != digest
+    features = Features({"input_ids": List(Value("int32")), "loss_mask": List(Value("int8"))})
+    stored = concatenate_datasets([Dataset.from_dict({"input_ids": [[0]], "loss_mask": [[0]]}, features),
+                                   Dataset.from_dict({"input_ids": ids, "loss_mask": mask}, features)]).select([1, 2])
+    assert lengths_and_digest(stored) == (lengths, digest)
 
 
 def test_offline_on_real_data(real_values, real_run, tmp_path):

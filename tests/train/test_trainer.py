@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,24 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
     for name in ("step_2", "step_10", ".step_12.tmp"):
         (tmp_path / name / "trainer_state.json").write_text("{}")
     assert checkpoint.checkpoints(tmp_path) == [tmp_path / "step_2", tmp_path / "step_10"]
+
+
+def test_a_save_deletes_what_saves_cut_short_left(tmp_path):
+    """A `.step_N.tmp` (or `durable_replace`'s `.step_N.old`) of a save killed mid-way holds up to a whole optimizer
+    state; when step N is never saved again, the next save deletes it, and nothing else."""
+    for name in (".step_3.tmp/engine", ".step_5.old/engine", "step_2", ".final.tmp"):
+        (tmp_path / name).mkdir(parents=True)
+    engine = types.SimpleNamespace(save_checkpoint=lambda path, tag, save_latest: (Path(path) / tag).mkdir())
+    checkpoint.save(engine, tmp_path, step=4, position=8, records={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".final.tmp", "step_2", "step_4"]
+
+
+def test_a_run_that_saves_no_more_deletes_what_a_save_cut_short_left(tmp_path):
+    """A run without periodic checkpoints killed while saving the one a SIGTERM asked for, then rerun: it never saves,
+    and deletes the leftover at its start."""
+    (tmp_path / "checkpoints" / ".step_5.tmp" / "engine").mkdir(parents=True)
+    assert train(load_recipe("ci-tiny", [*QUIET, "checkpoint.every=0"]), tmp_path) == tmp_path / "final"
+    assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
 def test_lr_schedule():
