@@ -613,15 +613,16 @@ class Engine:
         and its ancestors) and, in the same graph, the verification of trees `depth` deep: greedy, or by `sampling`
         (`_sampling`). -> (its output, accepted, num_accepted, bonus)."""
         name, verify, verify_inputs = self._verification(depth, sampling)
+        aux_layers = self.aux_layers if depth else ()  # a plain step extends no draft: the head's inputs go unread
         inputs = (tree.tokens, tree.parents, tree.depth, table, n, tree.mask, *verify_inputs)
-        hidden, aux, *verified = self.graphs(f"target, {name}", functools.partial(self._target_forward, verify),
-                                             *inputs)
-        return (TargetOutput(hidden=hidden, aux=aux if self.aux_layers else None), *verified)
+        hidden, aux, *verified = self.graphs(f"target, {name}",
+                                             functools.partial(self._target_forward, verify, aux_layers), *inputs)
+        return (TargetOutput(hidden=hidden, aux=aux if aux_layers else None), *verified)
 
-    def _target_forward(self, verify, tokens: Tensor, parents: Tensor, depth: Tensor, table: Tensor,
-                        prefix: Tensor, mask: Tensor, *verify_inputs: Tensor):
+    def _target_forward(self, verify, aux_layers: tuple[int, ...], tokens: Tensor, parents: Tensor, depth: Tensor,
+                        table: Tensor, prefix: Tensor, mask: Tensor, *verify_inputs: Tensor):
         rope = self.rope(prefix[:, None] + depth)  # node j's position: n + its depth
-        out = self.target(tokens, rope, self.attention(self.pool, table, prefix, mask), aux_layers=self.aux_layers)
+        out = self.target(tokens, rope, self.attention(self.pool, table, prefix, mask), aux_layers=aux_layers)
         logits = self.target.logits(out.hidden).float()
         aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
         return (out.hidden, aux) + verify(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
