@@ -356,10 +356,14 @@ class Engine:
         speculation do not extend it) go back to their last drafted position: the next prefill steps recompute the
         target's KV there as it was, and extend the draft over it. Each position is recomputed once at most, so a
         batch size without speculation runs as fast as a server without a head."""
-        if self.drafter is None or setting_for(self.tree_by_batch, len(self.running)) is None:
+        if not self._speculates(len(self.running)):
             return
         for request in self.running:
             request.cached = min(request.cached, request.drafted)
+
+    def _speculates(self, batch: int) -> bool:
+        """Whether a decode step of `batch` requests drafts a tree once every draft is current."""
+        return self.drafter is not None and setting_for(self.tree_by_batch, batch) is not None
 
     def _setting(self, requests: list[Request]) -> TreeShape | None:
         """The tree a decode step of `requests` drafts: their batch size's, or none without a head, or while a draft
@@ -402,10 +406,12 @@ class Engine:
 
     def _can_chain(self, last: DecodeStep) -> bool:
         """Whether the step after `last` may be queued before `last`'s tokens are read: the same requests still run,
-        not all of them end with `last`'s tokens, none waits that could be admitted, and each has room (blocks, then
-        context) for the most `last` can accept and the next step's tree. Gives them the blocks."""
+        not all of them end with `last`'s tokens, none waits that could be admitted, no draft is due to catch up
+        (`last` drafted no tree at a batch size that speculates: chained, every later step would decode plainly too),
+        and each has room (blocks, then context) for the most `last` can accept and the next step's tree. Gives them
+        the blocks."""
         requests = last.requests
-        if (self.running != requests or self._admissible()
+        if (self.running != requests or self._admissible() or (last.draft is None and self._speculates(len(requests)))
                 or all(len(r.output) + 1 >= r.max_new_tokens for r in requests)):
             return False
         reach = [r.cached + last.advance + self.reserve for r in requests]  # positions the next step may write

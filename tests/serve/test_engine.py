@@ -216,53 +216,90 @@ def test_settings_by_batch_size(target, graphs, monkeypatch):
     assert engine.reserve == 1 + SHAPES["tree"].num_draft_tokens
 
 
+@pytest.mark.parametrize("chunk", [2048, 16])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_draft_left_behind_without_speculation_catches_up(target, graphs, monkeypatch):
+def test_a_draft_left_behind_without_speculation_catches_up(target, graphs, chunk, monkeypatch):
     """At batch size 2 the setting is off: its steps cost what decoding without a head costs, so the draft is not
     extended and falls behind. When the other request ends, batch size 1 speculates: the remaining request goes back
-    to its last drafted position, one prefill step recomputes what it missed (handing out no token), and the tree it
-    then drafts is the one a cache-free recomputation drafts."""
+    to its last drafted position, prefill steps recompute what it missed (one, or with 16-token chunks several,
+    handing out no token and running no decode step until it is done), and the tree it then drafts is the one a
+    cache-free recomputation drafts."""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", graphs)
     shape = SHAPES["tree"]
     engine = Engine(target, random_head(target), EngineConfig(tree_by_batch=((1, shape), (2, None)), block_size=4,
-                                                               num_blocks=64, overlap=False))
+                                                               num_blocks=64, max_prefill_tokens=chunk, overlap=False))
     extended = []
     extend = engine.drafter.extend
     monkeypatch.setattr(engine.drafter, "extend", lambda *a, **k: (extended.append(1), extend(*a, **k))[1])
     long, short = (engine.add_request(p, GREEDY, n) for p, n in zip(prompts(2, target.config.vocab_size, seed=6),
-                                                                    (24, 6), strict=True))
-    engine.step()  # both prompts' prefill: the draft extended over them
-    assert len(extended) == 1 and long.drafted == long.cached
-    drafted_at = long.cached
+                                                                    (48, 40), strict=True))
+    while not (long.output and short.output):  # the prompts' prefill: the draft extended over them
+        engine.step()
+    passes, drafted_at = len(extended), long.cached
+    assert long.drafted == drafted_at
     while not short.finished:
         engine.step()
-    assert len(extended) == 1 and long.drafted == drafted_at < long.cached and not long.accepted
-    output, cached = list(long.output), long.cached
-    engine.step()  # the catch-up: a prefill from the last drafted position
-    assert len(extended) == 2 and long.output == output and long.drafted == long.cached == cached
+    assert len(extended) == passes and long.drafted == drafted_at < long.cached and not long.accepted
+    output, cached, decode_steps = list(long.output), long.cached, engine.decode_steps
+    while long.drafted < cached:  # the catch-up: prefill chunks from the last drafted position
+        engine.step()
+        assert long.output == output and long.drafted == long.cached and engine.decode_steps == decode_steps
+    assert len(extended) - passes == -(-(cached - drafted_at) // chunk) and long.cached == cached
     assert_drafts_as_uncached(engine, long, shape, 1e-5)
     while engine.has_work():
         engine.step()
-    assert long.output == list(greedy_tokens(target, long.prompt, 24)) and long.accepted
+    assert long.output == list(greedy_tokens(target, long.prompt, 48)) and long.accepted
     assert engine.pool.allocator.num_free == 64
+
+
+def test_a_seeded_request_samples_after_a_catch_up_as_if_recomputed(target):
+    """A seeded sampled request whose draft fell behind at batch size 2: the catch-up at batch size 1 draws nothing
+    from its generator, so from there on it samples (tokens and acceptance) what it samples recomputed from scratch
+    (as after a preemption, its generator where it was) on a server that always speculates."""
+    shape, params = SHAPES["tree"], SamplingParams(temperature=0.8, seed=11)
+    config = EngineConfig(tree_by_batch=((1, shape), (2, None)), block_size=4, num_blocks=64, max_prefill_tokens=16,
+                          overlap=False)
+    engine = Engine(target, random_head(target), config)
+    long, short = prompts(2, target.config.vocab_size, seed=8)
+    sampled, greedy = engine.add_request(long, params, 40), engine.add_request(short, GREEDY, 8)
+    while not greedy.finished:
+        engine.step()
+    assert sampled.drafted < sampled.cached and not sampled.accepted
+    state, output = sampled.generator.get_state(), list(sampled.output)
+    engine.step()  # the catch-up
+    assert sampled.drafted == sampled.cached and sampled.output == output
+    assert torch.equal(sampled.generator.get_state(), state)
+    always = Engine(target, random_head(target), dataclasses.replace(config, tree_by_batch=((1, shape),)))
+    recomputed = always.add_request(long, params, 40)
+    recomputed.output = list(sampled.output)
+    recomputed.generator.set_state(sampled.generator.get_state())
+    for server in (engine, always):
+        while server.has_work():
+            server.step()
+    assert sampled.output == recomputed.output and sampled.accepted == recomputed.accepted
+    assert len(sampled.output) == 40 and sampled.accepted
 
 
 def test_no_tree_is_drafted_from_a_draft_left_behind(target, monkeypatch):
     """A preemption at batch size 2 (no speculation) leaves one request, whose draft is behind, in a batch size that
-    speculates: that step decodes plainly and the next catches the draft up, so every tree is drafted from a current
-    draft."""
+    speculates: that step decodes plainly and the next catches the draft up (not chained to it: the preempted request
+    cannot come back, and chained steps would decode plainly to the end), so every tree is drafted from a current
+    draft, and both requests verify trees."""
     shape = SHAPES["tree"]
     ps = prompts(2, target.config.vocab_size, seed=7)
     engine = Engine(target, random_head(target), EngineConfig(tree_by_batch=((1, shape), (2, None)), block_size=4,
                                                                num_blocks=24))
-    current, preempted = [], []
-    draft_tree, preempt = engine.drafter.draft_tree, engine._preempt
+    current, preempted, plain = [], [], []  # plain: per decode step at batch size 1, whether it drafted no tree
+    draft_tree, preempt, decode = engine.drafter.draft_tree, engine._preempt, engine._decode
     monkeypatch.setattr(engine.drafter, "draft_tree", lambda *a: (
         current.append(all(r.drafted == r.cached for r in engine.running)), draft_tree(*a))[1])
     monkeypatch.setattr(engine, "_preempt", lambda r: (preempted.append(len(engine.running)), preempt(r))[1])
+    monkeypatch.setattr(engine, "_decode", lambda requests, after=None: (
+        len(requests) == 1 and plain.append(engine._setting(requests) is None), decode(requests, after))[1])
     requests = engine.generate(ps, GREEDY, max_new_tokens=40)
     assert [r.output for r in requests] == [list(greedy_tokens(target, p, 40)) for p in ps]
-    assert preempted[0] == 2 and current and all(current)
+    assert preempted == [2] and current and all(current)
+    assert plain.count(True) == 1 and all(r.accepted for r in requests)
     assert engine.pool.allocator.num_free == 24
 
 
