@@ -10,8 +10,8 @@ decode step split into draft / verify / accept (KV moves, draft extension, bookk
 step spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the
 time the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output
 tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
-where steps overlap that host time unless `--disable-overlap`; and the speedup over speculation off at the same
-batch size. With `--autotune` each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs
+where steps overlap that host time unless `--disable-overlap`; with `--repeats N` the median of N timed runs and
+their spread; and the speedup over speculation off at the same batch size. With `--autotune` each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs
 it where its setting is off: the head loaded, extended over the prompts at their prefill (decode steps leave it
 behind: `Engine._catch_up_drafts`). The autotune picks each batch size's fastest of the trees and off+head (not the
 head-less "off", which such a server cannot run). `--temperature` samples instead of decoding greedily (`--top-p`,
@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,10 +70,17 @@ class Result:
     accept_ms: float
     host_ms: float  # a decode step's time outside the three phases: scheduling, block tables, input copies
     prefill_ms: float  # the first batch's prompts prefilled, whole (at batch 1: one prompt)
-    tokens_per_s: float
-    peak_gib: float  # peak GPU memory allocated during the run (0 on CPU)
+    tokens_per_s: float  # the median of `tokens_per_s_runs`
+    peak_gib: float  # peak GPU memory allocated during the runs (0 on CPU)
     speedup: float = 1.0
     step_vs_off: float = 1.0  # this setting's step time over the no-speculation step at the same batch size
+    tokens_per_s_runs: list[float] = field(default_factory=list)  # each timed run's (`--repeats`)
+
+    @property
+    def spread(self) -> float:
+        """The runs' range over their median: how far one run's figure can be trusted."""
+        runs = self.tokens_per_s_runs
+        return (max(runs) - min(runs)) / self.tokens_per_s if len(runs) > 1 else 0.0
 
 
 EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of published EAGLE-3 heads (Llama-3.1-8B's)
@@ -154,23 +162,28 @@ def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: Sa
 
 
 def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
-                params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Result:
-    """Generates for every prompt, `batch_size` at a time, after the same untimed run (`warm_engine`): tokens/s
-    (prefill included) and τ, unsynchronised; then the step split from the first batch run again with each phase
-    timed. `options`: further EngineConfig fields."""
+                params: SamplingParams = GREEDY, head_kept: bool = False, repeats: int = 1, **options) -> Result:
+    """Generates for every prompt, `batch_size` at a time, `repeats` times back to back after the same untimed run
+    (`warm_engine`): tokens/s (prefill included; the median run's, so that one run's hiccup does not decide a
+    comparison) and τ, unsynchronised; then the step split from the first batch run again with each phase timed.
+    `options`: further EngineConfig fields."""
     engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
-    start = time.perf_counter()
-    requests = generate_all(engine, prompts, max_new_tokens, batch_size, params)
-    if cuda:
-        torch.cuda.synchronize(engine.device)
-    seconds = time.perf_counter() - start
-    generated = sum(len(r.output) for r in requests)
-    verifications = max(sum(len(r.accepted) for r in requests), 1)  # none when every request stops at its prefill
-    tau = (generated - len(requests)) / verifications if shape else 1.0  # less the prefill's tokens
+    speeds, generated, verifications = [], 0, 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        requests = generate_all(engine, prompts, max_new_tokens, batch_size, params)
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.output) for r in requests)
+        speeds.append(tokens / seconds)
+        generated += tokens - len(requests)  # less the prefill's tokens
+        verifications += sum(len(r.accepted) for r in requests)
+    tau = generated / max(verifications, 1) if shape else 1.0  # no verification when every request stops at its prefill
 
     engine.profile, engine.decode_steps = True, 0
     engine.generate(prompts[:batch_size], params, max_new_tokens)
@@ -180,11 +193,11 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
         1e3 * (t["draft"] + t["verify"] + t["accept"]) / steps,
         1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
         1e3 * (t["decode"] - t["draft"] - t["verify"] - t["accept"]) / steps, 1e3 * t["prefill"],
-        generated / seconds, torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
+        statistics.median(speeds), torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
+        tokens_per_s_runs=speeds,
     )
 
 
-@torch.no_grad()
 def weight_streaming_floor_ms(target: TargetModel, linear=torch.nn.functional.linear) -> float:
     """Time of one token through the model's linear layers alone (every weight read once, nothing else),
     as a CUDA-graph replay: the floor a batch-1 decode step can approach. The layers as the engine serves
@@ -256,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="new tokens a prompt (at least 2: the first "
                         "comes from the prefill, the decode steps after it are what is timed)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs of each setting, back to back; tokens/s is the median run's and the table's "
+                        "spread column their range over it (3 or more where settings are close, as at large batch "
+                        "sizes, whose runs are short)")
     parser.add_argument("--num-prompts", type=int, default=1,
                         help="prompts per batch size, that batch size at a time (never fewer than the batch size; "
                         "Hugging Face runs this many at batch 1)")
@@ -273,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
     for flag, values in (("--input-len", [args.input_len]), ("--num-prompts", [args.num_prompts]),
-                         ("--batch-sizes", args.batch_sizes)):
+                         ("--batch-sizes", args.batch_sizes), ("--repeats", [args.repeats])):
         if min(values) < 1:
             parser.error(f"{flag} must be at least 1, got {min(values)}")
     for flag, path in (("--json", args.json), ("--autotune", args.autotune)):
@@ -325,22 +342,24 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     for bs in args.batch_sizes:
         batch_prompts = prompts[:batch_prompt_count(bs, args.num_prompts)]
-        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, params, **options)
+        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, params, repeats=args.repeats,
+                           **options)
         results.append(base)
         runs = [(shape, False) for shape in args.trees] + ([(None, True)] if args.autotune else [])
         for shape, head_kept in runs:
-            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, params, head_kept, **options)
+            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, params, head_kept,
+                            repeats=args.repeats, **options)
             r.speedup = r.tokens_per_s / base.tokens_per_s
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)
             print(f"  batch {bs} {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
     print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
-          f"{'host':>6} {'prefill':>7} {'x off':>6} {'tok/s':>8} {'speedup':>7} {'peak GiB':>8}")
+          f"{'host':>6} {'prefill':>7} {'x off':>6} {'tok/s':>8} {'spread':>6} {'speedup':>7} {'peak GiB':>8}")
     for r in results:
         print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
               f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.host_ms:>6.2f} {r.prefill_ms:>7.2f} {r.step_vs_off:>6.2f} "
-              f"{r.tokens_per_s:>8.1f} "
+              f"{r.tokens_per_s:>8.1f} {f'{r.spread:.1%}' if len(r.tokens_per_s_runs) > 1 else '-':>6} "
               f"{r.speedup:>7.2f} {r.peak_gib:>8.1f}")
     if args.device.startswith("cuda"):
         served = target.model.layers[0].mlp.kernels.linear
@@ -354,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"weight-streaming floor (linear layers alone, CUDA graph; {each}): {floor:.2f} ms{ratio}")
     # Written before the Hugging Face run, the slowest part: a run stopped there keeps the sweep.
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+        args.json.write_text(json.dumps([{**r.__dict__, "spread": r.spread} for r in results], indent=2))
     if args.autotune:  # what the server can run: the trees, and off with the head kept
         fastest = {bs: max((r for r in results if r.batch_size == bs and r.setting != "off"),
                            key=lambda r: r.tokens_per_s) for bs in args.batch_sizes}

@@ -1,6 +1,7 @@
 """bench-eagle runs end to end on a tiny random architecture and writes what serve-eagle reads."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -204,3 +205,19 @@ def test_chat_prompts_from_packaged_sets(name, smollm2_tokenizer):
     assert text.count("<|im_start|>user") == 1 and text.rstrip().endswith("<|im_start|>assistant")
     with pytest.raises(ValueError, match="fits --input-len 3"):
         chat_prompts(name, smollm2_tokenizer, 1, 3)
+
+
+def test_repeats_time_each_setting_and_report_the_median_run(monkeypatch, tmp_path, capsys):
+    runs = []  # generate_all's calls: per setting, the untimed run, the timed ones, then none (profiling)
+    generate = bench.generate_all
+    monkeypatch.setattr(bench, "generate_all", lambda engine, *args, **kw: runs.append(engine) or generate(
+        engine, *args, **kw))
+    main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "4", "--trees", "2,1,3",
+          "--repeats", "3", "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    assert [runs.count(e) for e in dict.fromkeys(runs)] == [4, 4]  # off and 2,1,3: warm-up + 3 timed runs each
+    results = json.loads((tmp_path / "r.json").read_text())
+    for r in results:
+        speeds = r["tokens_per_s_runs"]
+        assert len(speeds) == 3 and r["tokens_per_s"] == statistics.median(speeds)
+        assert r["spread"] == pytest.approx((max(speeds) - min(speeds)) / r["tokens_per_s"])
+    assert "spread" in capsys.readouterr().out

@@ -344,6 +344,26 @@ def test_prefill_in_buckets_where_they_fit(target, monkeypatch):
     assert padded == [(2, length_bucket(max(map(len, ps[1:]))))]
 
 
+def test_prompts_are_grouped_into_prefill_chunks_that_run_as_graphs(target, monkeypatch):
+    """With graphs, prompts share a prefill step only while their padded chunk fits `max_prefill_tokens`: three
+    prompts of 40 tokens fit 128 tokens as they are (120), but padded to 4 rows of 64 they would run eagerly."""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in (40, 40, 40, 40, 35)]
+    graphed, steps = [], []  # (rows, columns) of each prefill run as a graph's shapes; every prefill step's rows
+    call, prefill = GraphCache.__call__, Engine._prefill
+    monkeypatch.setattr(GraphCache, "__call__", lambda graphs, name, fn, *inputs: (
+        graphed.append(tuple(inputs[0].shape)) if name.startswith("prefill") else None, call(graphs, name, fn,
+                                                                                              *inputs))[1])
+    monkeypatch.setattr(Engine, "_prefill", lambda engine, requests: steps.append(len(requests)) or prefill(
+        engine, requests))
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
+                                                              max_prefill_tokens=128))
+    assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=4)] == [
+        list(greedy_tokens(target, p, 4)) for p in ps]
+    assert steps == [2, 2, 1] and graphed == [(2, 64), (2, 64), (1, 64)]
+
+
 @pytest.mark.parametrize("head", [False, True])
 def test_a_short_last_chunk_beside_a_longer_one_at_the_context_s_end(target, head):
     """A long prompt's short last chunk, prefilled beside a newer prompt's longer chunk, is padded to it, past the
