@@ -7,16 +7,17 @@
 For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over the same
 prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus included), the mean
 decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping) and the host time a decode
-step spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the
-time the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output
-tokens/s over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels),
-where steps overlap that host time unless `--disable-overlap`; with `--repeats N` the median of N timed runs and
-their spread; and the speedup over speculation off at the same batch size. With `--autotune` each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs
-it where its setting is off: the head loaded, extended over the prompts at their prefill (decode steps leave it
-behind: `Engine._catch_up_drafts`). The autotune picks each batch size's fastest of the trees and off+head (not the
-head-less "off", which such a server cannot run). `--temperature` samples instead of decoding greedily (`--top-p`,
-`--top-k` filter it). `--compare-hf` times Hugging Face `generate` on the batch-1 prompts. With random weights τ is
-meaningless (the draft guesses at random); step costs are what such a run measures.
+step spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the time
+the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output tokens/s
+over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels), where
+steps overlap that host time unless `--disable-overlap`; with `--repeats N` the median of N timed runs and their
+spread; and the speedup over speculation off at the same batch size. With `--autotune` each batch size also runs
+"off+head", speculation off as an autotuned serve-eagle runs it where its setting is off: the head loaded, extended
+over the prompts at their prefill (decode steps leave it behind: `Engine._catch_up_drafts`). The autotune picks each
+batch size's fastest of the trees and off+head (not the head-less "off", which such a server cannot run).
+`--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf` times Hugging
+Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step
+costs are what such a run measures.
 """
 
 from __future__ import annotations
