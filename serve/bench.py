@@ -199,6 +199,7 @@ def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     )
 
 
+@torch.no_grad()
 def weight_streaming_floor_ms(target: TargetModel, linear=torch.nn.functional.linear) -> float:
     """Time of one token through the model's linear layers alone (every weight read once, nothing else),
     as a CUDA-graph replay: the floor a batch-1 decode step can approach. The layers as the engine serves
