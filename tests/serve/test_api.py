@@ -509,16 +509,19 @@ def test_a_request_the_shutdown_aborts_is_an_error(stream, monkeypatch):
     """A request still running at the shutdown's deadline is aborted while its client waits: that client gets a 503
     (in a stream, an error event), not the engine's finish reason "abort", which OpenAI does not have."""
     with Server(speculative=False, num_blocks=32) as s, ThreadPoolExecutor() as pool:
-        worker, release, decode = s.worker, threading.Event(), s.worker.engine._decode
+        worker, held_up, release, decode = s.worker, threading.Event(), threading.Event(), s.worker.engine._decode
 
         def held(requests, after=None):  # the request cannot finish before the shutdown's deadline
+            held_up.set()
             release.wait(10)
             return decode(requests, after)
 
         monkeypatch.setattr(worker.engine, "_decode", held)
         body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 64, "stream": stream}
         answer = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=30)
-        until(lambda: s.metric("eyas_generation_tokens_total") > 0)  # prefilled: the first decode step waits
+        # Prefilled, the engine thread waits in the first decode step, reading no command until released (waiting
+        # for the first token instead let the thread take the shutdown's command before the check below saw it).
+        assert held_up.wait(10)
         stopping = pool.submit(worker.shutdown, 0.0)
         until(lambda: not worker._inbox.empty())  # the shutdown's deadline is queued, already past
         release.set()
