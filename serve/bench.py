@@ -52,6 +52,7 @@ from .commands import (
     sampling_params,
     tree_setting,
 )
+from .cuda_graphs import replay_ms
 from .draft import TreeShape
 from .engine import Engine, EngineConfig, Request, step_reserve
 from .evaluate import load_questions
@@ -216,19 +217,7 @@ def weight_streaming_floor_ms(target: TargetModel, linear=torch.nn.functional.li
             linear(x[m.in_features], m.weight)
         x[head.shape[1]] @ head.T
 
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return replay_ms(run)
 
 
 def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -> float:

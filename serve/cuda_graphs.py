@@ -90,3 +90,21 @@ class GraphCache:
             for buffer, x in zip(outputs, fn(*static_inputs), strict=True):
                 buffer.copy_(x)
         return graph, static_inputs, outputs
+
+
+def replay_ms(run: Callable[[], None], reps: int = 20) -> float:
+    """Milliseconds of one replay of a CUDA graph of `run` (the median of `reps`), run once before the capture (its
+    kernels compiled, its first-use allocations made): what the benchmarks time kernels by, with no host in between."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -348,12 +349,8 @@ ROWS_FP8_MIN_WEIGHT = 1 << 24
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
                 quantized: Fp8Weight | None = None) -> Tensor:
     """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a large one with a
-    float8 copy (`quantized`, which it then reads: ROWS_FP8_MAX), on tensor cores, in a kernel that joins the
-    programmatic dependent launches (cuBLAS's cannot) and loads its first weights before waiting on the kernel before,
-    with SiLU·mul of the output's halves in its epilogue (`silu_mul_output`, a joint gate/up weight: one launch where
-    cuBLAS and `silu_mul` take two); other inputs go to cuBLAS (and `silu_mul`) with `weight`. Weights of few output
-    columns split K over several programs (`rows_splits`).
-    x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
+    float8 copy (`quantized`, which it then reads: ROWS_FP8_MAX), in `rows_kernel`; other inputs go to cuBLAS (and
+    `silu_mul`) with `weight`. x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     M = x.numel() // K
@@ -363,12 +360,44 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()):
         y = torch.nn.functional.linear(x, weight, bias)
         return silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
-    rows = _rows(x)  # [M, K], after the check: cuBLAS takes x as it is
+    return rows_kernel(x, weight, bias, silu_mul_output, quantized)
+
+
+class RowsLaunch(NamedTuple):
+    """How `rows_kernel` runs: BLOCK_N output columns a program, BLOCK_K inputs a step with `stages` loads in flight,
+    `warps` a program, and `splits` programs sharing each tile's K."""
+
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+    splits: int
+
+
+def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
+    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (`rows_config`, `rows_splits`)."""
+    block_n, block_k, stages, warps = rows_config(max(16, triton.next_power_of_2(M)), K)
+    return RowsLaunch(block_n, block_k, stages, warps, rows_splits(triton.cdiv(N_out, block_n),
+                                                                   triton.cdiv(K, block_k), float8))
+
+
+def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
+                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None) -> Tensor:
+    """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
+    benchmark sweeps them): tensor cores, in the programmatic dependent launches (cuBLAS's cannot join them), the
+    first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves in the epilogue
+    (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two), reading the float8
+    copy `quantized` where given. Weights of few output columns split K over several programs (`rows_splits`).
+    x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]."""
+    N, K = weight.shape
+    rows = _rows(x)  # [M, K]
+    M = len(rows)
+    assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
-    block_n, block_k, stages, warps = rows_config(block_m, K)
-    tiles = triton.cdiv(N_out, block_n)
-    splits = rows_splits(tiles, triton.cdiv(K, block_k), quantized is not None)
+    block_n, block_k, stages, warps, splits = launch or rows_launch(M, N_out, K, quantized is not None)
+    tiles, chunks = triton.cdiv(N_out, block_n), triton.cdiv(K, block_k)
+    splits = equal_runs(chunks, splits)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     partials = counters = out  # unused pointers without a split
     if splits > 1:  # each program's sums [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
@@ -409,7 +438,12 @@ def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
         splits = max(1, min(4, 1024 // tiles, chunks))
     else:
         splits = min(6, chunks // 2) if tiles <= 32 and chunks >= 8 else 1
-    return triton.cdiv(chunks, triton.cdiv(chunks, splits))  # runs of equal whole chunks, none empty
+    return equal_runs(chunks, splits)
+
+
+def equal_runs(chunks: int, splits: int) -> int:
+    """At most `splits` programs that share `chunks` chunks of K in runs of equal whole chunks, none empty."""
+    return triton.cdiv(chunks, triton.cdiv(chunks, max(1, min(splits, chunks))))
 
 
 @functools.cache

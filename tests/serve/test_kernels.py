@@ -686,6 +686,46 @@ def test_fused_linear_fp8_interpreter(interpreter, case):
     interpreter(check_fused_linear, "cpu", torch.float16, *case, True)
 
 
+def check_rows_kernel_launches(device, dtype):
+    """`rows_kernel` at launches other than the served one (the linear benchmark's grid), with and without SiLU·mul,
+    K split into more runs than it has chunks included: each gives the reference's output."""
+    x = randn(5, 300, dtype=dtype, device=device, seed=0)
+    weight = randn(80, 300, dtype=dtype, device=device, seed=1, scale=300 ** -0.5 * 4)
+    for silu in (False, True):
+        extra = dict(bias=None, residual=None, norm=None, silu_mul_output=silu)
+        for launch in (kernels.RowsLaunch(16, 64, 2, 4, 1), kernels.RowsLaunch(32, 128, 3, 4, 3),
+                       kernels.RowsLaunch(16, 32, 2, 4, 7), kernels.RowsLaunch(64, 128, 2, 4, 9)):
+            out = kernels.rows_kernel(x, weight, silu_mul_output=silu, launch=launch)
+            assert_linear_matches(x, weight, out, extra, dtype)
+
+
+def test_rows_kernel_launches_interpreter(interpreter):
+    interpreter(check_rows_kernel_launches, "cpu", torch.float16)
+
+
+def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
+    """The launch reaches the kernel: its grid (tiles, splits as equal runs of whole chunks) and its constants; with
+    none given, the served one (`rows_launch`)."""
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append((grid, options))
+
+    monkeypatch.setattr(kernels, "_rows_matmul_kernel", Recorder())
+    x, weight = torch.zeros(5, 300, dtype=torch.float16), torch.zeros(80, 300, dtype=torch.float16)
+    kernels.rows_kernel(x, weight, silu_mul_output=True, launch=kernels.RowsLaunch(16, 32, 3, 8, 7))
+    kernels.rows_kernel(x, weight)
+    (grid, options), (served_grid, served_options) = launched
+    assert grid == (3, 5)  # 40 outputs over 16 a program; 10 chunks of 32 in 5 runs of 2 (7 would leave 1 empty)
+    assert (options["BLOCK_N"], options["BLOCK_K"], options["num_stages"], options["num_warps"]) == (16, 32, 3, 8)
+    assert options["SPLITS"] == 5 and options["SILU_MUL"]
+    served = kernels.rows_launch(5, 80, 300, False)
+    assert served_grid == (-(-80 // served.block_n), served.splits)
+    assert (served_options["BLOCK_N"], served_options["BLOCK_K"], served_options["num_stages"],
+            served_options["num_warps"]) == served[:4]
+
+
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
     """Every split tile has an arrival counter, and each of a tile's programs sums at least one chunk of K: the K
     runs are equal whole chunks, the last possibly shorter."""

@@ -1,0 +1,129 @@
+"""Few-rows linear benchmark: `rows_kernel` at its served launch and at a grid of others against cuBLAS, µs a call,
+on the weight shapes of an architecture's target (random weights), at verification's and a draft pass's row counts.
+
+    python -m eyas.serve.linear_bench --arch llama-3.1-8b --rows 8 --weights qkv gate_up --splits 1 2 4
+
+Each call runs inside a CUDA graph over distinct copies of its weight, at least 256 MB of them in all, so no call
+reads its weight from L2 (50 MB on an H200); µs a call is the median replay's time over the copies. The kernel runs as
+served, with programmatic dependent launch, so a call may start loading while the one before finishes, as it does
+between the served model's kernels; cuBLAS cannot. cuBLAS is `F.linear`, and `silu_mul` after the joint gate/up
+(the served path's two launches there). With `--fp8` the kernel reads float8 copies (`serve/fp8.py`), as a draft
+head's with `--draft-fp8`, and cuBLAS the bf16 weight.
+
+A table row per weight and row count: cuBLAS, the served launch (`rows_launch`), the grid's fastest and its launch
+(BLOCK_N, BLOCK_K, stages, warps, splits; splits as launched: equal runs of whole chunks of K, and none over more
+tiles than the kernel has counters for); `--all` prints every launch of the grid. Per-call times can mislead (in
+docs/perf.md, launches within 1 µs of cuBLAS a call made verification half a millisecond slower in place), so a
+launch that wins here is then measured in `bench-eagle`'s steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from eyas.common.architectures import ARCHITECTURES, architecture_config
+
+from . import kernels
+from .cuda_graphs import replay_ms
+from .fp8 import quantize
+
+L2_DEFEAT_BYTES = 256 << 20
+
+
+def weight_shapes(arch: str) -> dict[str, tuple[int, int, bool]]:
+    """name -> (N, K, SiLU·mul output) of the target's linear layers as the engine serves them (q/k/v and gate/up
+    joined, `fuse_projections`)."""
+    cfg = architecture_config(arch)
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    return {
+        "qkv": (heads + 2 * cfg.num_key_value_heads * cfg.head_dim, hidden, False),
+        "o": (hidden, heads, False),
+        "gate_up": (2 * cfg.intermediate_size, hidden, True),
+        "down": (hidden, cfg.intermediate_size, False),
+        "lm_head": (cfg.vocab_size, hidden, False),
+    }
+
+
+def us_per_call(call, copies: int) -> float:
+    """µs a call of `call(i)`, i < copies, each copy once in a CUDA graph."""
+    return replay_ms(lambda: [call(i) for i in range(copies)]) * 1e3 / copies
+
+
+def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLaunch], fp8: bool,
+            device: str) -> tuple[float, float, list[tuple[kernels.RowsLaunch, float]]]:
+    """(cuBLAS µs, the served launch's µs, [(launch as run, µs)] over `launches`) for a weight [N, K] at `rows`."""
+    copies = max(2, -(-L2_DEFEAT_BYTES // (N * K * 2)))
+    weights = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+    quantized = [quantize(w) for w in weights] if fp8 else [None] * copies
+    x = torch.randn(rows, K, device=device, dtype=torch.bfloat16)
+
+    def cublas(i):
+        y = F.linear(x, weights[i])
+        return kernels.silu_mul(*y.chunk(2, dim=-1)) if silu else y
+
+    def kernel(launch):
+        return lambda i: kernels.rows_kernel(x, weights[i], None, silu, quantized[i], launch)
+
+    N_out = N // 2 if silu else N
+    served = kernels.rows_launch(rows, N_out, K, fp8)
+    grid = [(run, us_per_call(kernel(run), copies)) for run in as_launched(launches, N_out, K)]
+    return us_per_call(cublas, copies), us_per_call(kernel(served), copies), grid
+
+
+def as_launched(launches: list[kernels.RowsLaunch], N_out: int, K: int) -> list[kernels.RowsLaunch]:
+    """The distinct launches `rows_kernel` runs for `launches` (splits as equal runs of whole chunks of K), less
+    those that split more tiles than it has arrival counters for."""
+    runs = []
+    for launch in launches:
+        run = launch._replace(splits=kernels.equal_runs(-(-K // launch.block_k), launch.splits))
+        if run not in runs and (run.splits == 1 or -(-N_out // run.block_n) <= kernels.SPLIT_MAX_TILES):
+            runs.append(run)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eyas.serve.linear_bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--weights", nargs="+", default=["qkv", "o", "gate_up", "down"],
+                        choices=["qkv", "o", "gate_up", "down", "lm_head"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16],
+                        help=f"rows a call (2 to {kernels.ROWS_MAX}): a tree's or a chain's verification, a draft pass")
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--fp8", action="store_true", help="the kernel reads float8 copies of the weights")
+    parser.add_argument("--all", action="store_true", help="print every launch of the grid")
+    args = parser.parse_args(argv)
+    if bad := [r for r in args.rows if not 2 <= r <= kernels.ROWS_MAX]:
+        parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
+    if not torch.cuda.is_available():
+        sys.exit("the linear benchmark needs a CUDA GPU")
+    launches = [kernels.RowsLaunch(*c) for c in itertools.product(args.block_n, args.block_k, args.stages,
+                                                                    args.warps, args.splits)]
+    shapes = weight_shapes(args.arch)
+    print(f"µs a call, {args.arch}, {'float8' if args.fp8 else 'bf16'} weights; launch = (BLOCK_N, BLOCK_K, stages, "
+          "warps, splits)")
+    print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'cuBLAS':>8} {'served':>8} {'best':>8}  best launch")
+    for name in args.weights:
+        N, K, silu = shapes[name]
+        for rows in args.rows:
+            cublas, served, grid = measure(N, K, silu, rows, launches, args.fp8, "cuda")
+            best_launch, best = min(grid, key=lambda r: r[1])
+            print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {cublas:>8.2f} {served:>8.2f} {best:>8.2f}  "
+                  f"{tuple(best_launch)}")
+            if args.all:
+                for launch, us in grid:
+                    print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {us:>8.2f}  {tuple(launch)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The few-rows linear benchmark: the weights it measures are the served model's, its grid the launches the kernel
+runs, and on a GPU it times each."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from eyas.common.architectures import architecture_config  # noqa: E402
+from eyas.common.layers import fuse_projections  # noqa: E402
+from eyas.common.target import TargetModel  # noqa: E402
+from eyas.serve import kernels, linear_bench  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["tiny", "smollm2-135m"])
+def test_weight_shapes_are_the_served_models(arch):
+    """q/k/v and gate/up joined as the engine serves them; only gate/up's output goes through SiLU·mul."""
+    with torch.device("meta"):
+        target = TargetModel(architecture_config(arch))
+    fuse_projections(target)
+    layer = target.model.layers[0]
+    served = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+              "down": layer.mlp.down_proj}
+    shapes = linear_bench.weight_shapes(arch)
+    assert {name: shapes[name][:2] for name in served} == {name: tuple(m.weight.shape) for name, m in served.items()}
+    assert shapes["lm_head"][:2] == tuple(target.lm_head_weight.shape)
+    assert [name for name, (_, _, silu) in shapes.items() if silu] == ["gate_up"]
+
+
+def test_the_grid_holds_each_launch_as_the_kernel_runs_it_once():
+    """Splits become equal runs of whole chunks (so 2 and 3 over 4 chunks are one launch, of 2), and a split over
+    more tiles than the kernel has counters for is left out."""
+    grid = [kernels.RowsLaunch(32, 256, 4, 4, s) for s in (1, 2, 3, 4)] + [kernels.RowsLaunch(16, 256, 4, 4, 2)]
+    runs = linear_bench.as_launched(grid, 4096, 1024)
+    assert runs == [kernels.RowsLaunch(32, 256, 4, 4, 1), kernels.RowsLaunch(32, 256, 4, 4, 2),
+                    kernels.RowsLaunch(32, 256, 4, 4, 4), kernels.RowsLaunch(16, 256, 4, 4, 2)]
+    wide = linear_bench.as_launched(grid, 16 * kernels.SPLIT_MAX_TILES + 16, 1024)
+    assert wide == [kernels.RowsLaunch(32, 256, 4, 4, 1), kernels.RowsLaunch(32, 256, 4, 4, 2),
+                    kernels.RowsLaunch(32, 256, 4, 4, 4)]
+
+
+def test_rows_outside_the_kernels_range_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        linear_bench.main(["--rows", "1", "8"])
+    assert "--rows [1]" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_weight_is_timed(capsys, fp8):
+    linear_bench.main(["--arch", "smollm2-135m", "--rows", "4", "--block-n", "16", "--block-k", "64", "--stages", "2",
+                       "--splits", "1", "2", "--all"] + ["--fp8"] * fp8)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    timed = [row for row in rows if row[0] in ("qkv", "o", "gate_up", "down")]
+    assert [row[0] for row in timed] == ["qkv", "o", "gate_up", "down"]
+    assert all(0 < float(us) < 1e4 for row in timed for us in row[3:6])
+    assert len(rows) == 4 * 3  # each weight, then its two launches
