@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +57,9 @@ def us_per_call(call, copies: int) -> float:
 
 
 def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLaunch], fp8: bool,
-            device: str) -> tuple[float, float, list[tuple[kernels.RowsLaunch, float]]]:
-    """(cuBLAS µs, the served launch's µs, [(launch as run, µs)] over `launches`) for a weight [N, K] at `rows`."""
+            device: str) -> dict:
+    """A weight [N, K] at `rows`: µs a call of cuBLAS, of the served launch and of each of `launches` as the kernel
+    runs them (`as_launched`)."""
     copies = max(2, -(-L2_DEFEAT_BYTES // (N * K * 2)))
     weights = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
     quantized = [quantize(w) for w in weights] if fp8 else [None] * copies
@@ -71,8 +74,9 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
 
     N_out = N // 2 if silu else N
     served = kernels.rows_launch(rows, N_out, K, fp8)
-    grid = [(run, us_per_call(kernel(run), copies)) for run in as_launched(launches, N_out, K)]
-    return us_per_call(cublas, copies), us_per_call(kernel(served), copies), grid
+    return dict(N=N, K=K, silu=silu, rows=rows, fp8=fp8, cublas_us=us_per_call(cublas, copies),
+                served_us=us_per_call(kernel(served), copies), served_launch=served,
+                grid=[(run, us_per_call(kernel(run), copies)) for run in as_launched(launches, N_out, K)])
 
 
 def as_launched(launches: list[kernels.RowsLaunch], N_out: int, K: int) -> list[kernels.RowsLaunch]:
@@ -102,9 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--fp8", action="store_true", help="the kernel reads float8 copies of the weights")
     parser.add_argument("--all", action="store_true", help="print every launch of the grid")
+    parser.add_argument("--json", type=Path, help="write every timing to this JSON: a record per weight and row count "
+                        "(name, N, K, silu, rows, fp8, cublas_us, served_us, served_launch, grid [[launch, us]])")
     args = parser.parse_args(argv)
     if bad := [r for r in args.rows if not 2 <= r <= kernels.ROWS_MAX]:
         parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
+    if args.json and not args.json.parent.is_dir():  # found out now, not after the sweep
+        parser.error(f"--json {args.json}: no directory {args.json.parent}")
     if not torch.cuda.is_available():
         sys.exit("the linear benchmark needs a CUDA GPU")
     launches = [kernels.RowsLaunch(*c) for c in itertools.product(args.block_n, args.block_k, args.stages,
@@ -113,16 +121,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"µs a call, {args.arch}, {'float8' if args.fp8 else 'bf16'} weights; launch = (BLOCK_N, BLOCK_K, stages, "
           "warps, splits)")
     print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'cuBLAS':>8} {'served':>8} {'best':>8}  best launch")
+    records = []
     for name in args.weights:
         N, K, silu = shapes[name]
         for rows in args.rows:
-            cublas, served, grid = measure(N, K, silu, rows, launches, args.fp8, "cuda")
-            best_launch, best = min(grid, key=lambda r: r[1])
-            print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {cublas:>8.2f} {served:>8.2f} {best:>8.2f}  "
-                  f"{tuple(best_launch)}")
+            record = {"name": name, **measure(N, K, silu, rows, launches, args.fp8, "cuda")}
+            records.append(record)
+            best_launch, best = min(record["grid"], key=lambda r: r[1])
+            print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {record['cublas_us']:>8.2f} {record['served_us']:>8.2f} "
+                  f"{best:>8.2f}  {tuple(best_launch)}")
             if args.all:
-                for launch, us in grid:
+                for launch, us in record["grid"]:
                     print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {us:>8.2f}  {tuple(launch)}")
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The few-rows linear benchmark: the weights it measures are the served model's, its grid the launches the kernel
 runs, and on a GPU it times each."""
 
+import json
+
 import pytest
 import torch
 
@@ -39,20 +41,26 @@ def test_the_grid_holds_each_launch_as_the_kernel_runs_it_once():
                     kernels.RowsLaunch(32, 256, 4, 4, 4)]
 
 
-def test_rows_outside_the_kernels_range_are_refused(capsys):
+def test_rows_outside_the_kernels_range_and_a_json_without_its_folder_are_refused(capsys, tmp_path):
     with pytest.raises(SystemExit):
         linear_bench.main(["--rows", "1", "8"])
     assert "--rows [1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        linear_bench.main(["--json", str(tmp_path / "missing" / "t.json")])
+    assert "no directory" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True])
-def test_every_weight_is_timed(capsys, fp8):
+def test_every_weight_is_timed(capsys, tmp_path, fp8):
     linear_bench.main(["--arch", "smollm2-135m", "--rows", "4", "--block-n", "16", "--block-k", "64", "--stages", "2",
-                       "--splits", "1", "2", "--all"] + ["--fp8"] * fp8)
+                       "--splits", "1", "2", "--all", "--json", str(tmp_path / "t.json")] + ["--fp8"] * fp8)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     timed = [row for row in rows if row[0] in ("qkv", "o", "gate_up", "down")]
     assert [row[0] for row in timed] == ["qkv", "o", "gate_up", "down"]
     assert all(0 < float(us) < 1e4 for row in timed for us in row[3:6])
     assert len(rows) == 4 * 3  # each weight, then its two launches
+    records = json.loads((tmp_path / "t.json").read_text())
+    assert [(r["name"], r["rows"], r["fp8"]) for r in records] == [(n, 4, fp8) for n in ("qkv", "o", "gate_up", "down")]
+    assert [[launch[4] for launch, _ in r["grid"]] for r in records] == [[1, 2]] * 4  # 9 and 24 chunks of 64 split
