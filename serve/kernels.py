@@ -375,10 +375,11 @@ class RowsLaunch(NamedTuple):
 
 
 def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
-    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (`rows_config`, `rows_splits`)."""
-    block_n, block_k, stages, warps = rows_config(max(16, triton.next_power_of_2(M)), K)
-    return RowsLaunch(block_n, block_k, stages, warps, rows_splits(triton.cdiv(N_out, block_n),
-                                                                   triton.cdiv(K, block_k), float8))
+    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs, from a sweep on an H200
+    (docs/perf.md): 32 weight rows a program, long chunks of K for up to 16 rows of a long K, 4 stages of loads in
+    flight, 4 warps; K split as `rows_splits` says."""
+    block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
+    return RowsLaunch(block_n, block_k, 4, 4, rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), float8))
 
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
@@ -412,12 +413,6 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         **launch_options(x.device),
     )
     return out
-
-
-def rows_config(block_m: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, stages, warps) for `rows_matmul`, from a sweep on an H200 (docs/perf.md): 32 weight rows
-    a program, long chunks of K for up to 16 rows of a long K; 4 stages of loads in flight."""
-    return 32, 256 if block_m <= 16 and K >= 2048 else 128, 4, 4
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
