@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)
             print(f"  batch {bs} {r.setting}: {r.tokens_per_s:.1f} tok/s", file=sys.stderr)
+        if args.json:  # after each batch size: a sweep stopped later (time limit, crash) keeps what it measured
+            args.json.write_text(json.dumps([{**r.__dict__, "spread": r.spread} for r in results], indent=2))
 
     print(f"{'batch':>5} {'setting':>9} {'tau':>5} {'step ms':>8} {'draft':>7} {'verify':>7} {'accept':>7} "
           f"{'host':>6} {'prefill':>7} {'x off':>6} {'tok/s':>8} {'spread':>6} {'speedup':>7} {'peak GiB':>8}")
@@ -362,9 +364,6 @@ def main(argv: list[str] | None = None) -> None:
         ratio = f"; speculation off at batch 1: {off.step_ms:.2f} ms ({off.step_ms / floor:.2f}x)" if off else ""
         each = ", ".join(f"{name} {ms:.2f} ms" for name, ms in floors.items())
         print(f"weight-streaming floor (linear layers alone, CUDA graph; {each}): {floor:.2f} ms{ratio}")
-    # Written before the Hugging Face run, the slowest part: a run stopped there keeps the sweep.
-    if args.json:
-        args.json.write_text(json.dumps([{**r.__dict__, "spread": r.spread} for r in results], indent=2))
     if args.autotune:  # what the server can run: the trees, and off with the head kept
         fastest = {bs: max((r for r in results if r.batch_size == bs and r.setting != "off"),
                            key=lambda r: r.tokens_per_s) for bs in args.batch_sizes}

@@ -50,6 +50,21 @@ def test_autotune_picks_what_a_server_can_run(monkeypatch, tmp_path, capsys, off
     assert json.loads((tmp_path / "autotune.json").read_text())["best_setting_by_batch_size"] == {"1": best}
 
 
+def test_json_keeps_the_batch_sizes_measured_before_a_failure(monkeypatch, tmp_path):
+    def measured(target, head, shape, prompts, new_tokens, batch_size, params, head_kept=False, **options):
+        if batch_size == 4:
+            raise RuntimeError("CUDA out of memory")
+        return Result(batch_size, "off" if shape is None else format_setting(shape), 1.0, 1.0, 0.1, 0.8, 0.1, 0.1,
+                      1.0, 100.0, 0.0)
+
+    monkeypatch.setattr(bench, "run_setting", measured)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "3,1,4",
+              "--batch-sizes", "1", "2", "4", "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["batch_size"], r["setting"]) for r in results] == [(1, "off"), (1, "3,1,4"), (2, "off"), (2, "3,1,4")]
+
+
 def test_off_with_the_head_kept_extends_the_head_and_drafts_nothing():
     target = random_target("tiny", torch.float32, "cpu")
     prompts = [list(range(3, 20)), list(range(5, 30))]
