@@ -6,23 +6,24 @@
 
 For each batch size it runs speculation off and each tree setting (num_steps,topk,num_draft_tokens) over the same
 prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per verification, bonus included), the mean
-decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping) and the host time a decode
-step spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the time
-the first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output tokens/s
-over the whole run (prefill included; after an untimed run of the same work, which compiles the kernels), where
-steps overlap that host time unless `--disable-overlap`; with `--repeats N` the median of N timed runs and their
-spread; and the speedup over speculation off at the same batch size. With `--autotune` each batch size also runs
-"off+head", speculation off as an autotuned serve-eagle runs it where its setting is off: the head loaded, extended
-over the prompts at their prefill (decode steps leave it behind: `Engine._catch_up_drafts`). The autotune picks each
-batch size's fastest of the trees and off+head (not the head-less "off", which such a server cannot run).
-`--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf` times Hugging
-Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step
+decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping) and the host time a decode step
+spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the time the
+first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); output tokens/s over the
+whole run (prefill included; after an untimed run of the same work, which compiles the kernels), where steps overlap
+that host time unless `--disable-overlap`; with `--repeats N` the median of N timed runs, taken in rounds across the
+batch size's settings, and their spread; and the speedup over speculation off at the same batch size. With `--autotune`
+each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs it where its setting is off: the
+head loaded, extended over the prompts at their prefill (decode steps leave it behind: `Engine._catch_up_drafts`). The
+autotune picks each batch size's fastest of the trees and off+head (not the head-less "off", which such a server cannot
+run). `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf` times
+Hugging Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step
 costs are what such a run measures.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import statistics
@@ -163,41 +164,80 @@ def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: Sa
             for r in engine.generate(prompts[i:i + batch_size], params, max_new_tokens)]
 
 
-def run_setting(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
-                params: SamplingParams = GREEDY, head_kept: bool = False, repeats: int = 1, **options) -> Result:
-    """Generates for every prompt, `batch_size` at a time, `repeats` times back to back after the same untimed run
-    (`warm_engine`): tokens/s (prefill included; the median run's, so that one run's hiccup does not decide a
-    comparison) and τ, unsynchronised; then the step split from the first batch run again with each phase timed.
-    `options`: further EngineConfig fields."""
-    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options)
-    cuda = engine.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(engine.device)
-        torch.cuda.reset_peak_memory_stats(engine.device)
-    speeds, generated, verifications = [], 0, 0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        requests = generate_all(engine, prompts, max_new_tokens, batch_size, params)
-        if cuda:
-            torch.cuda.synchronize(engine.device)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r.output) for r in requests)
-        speeds.append(tokens / seconds)
-        generated += tokens - len(requests)  # less the prefill's tokens
-        verifications += sum(len(r.accepted) for r in requests)
-    tau = generated / max(verifications, 1) if shape else 1.0  # no verification when every request stops at its prefill
+def run_settings(target, head, settings: list[tuple[TreeShape | None, bool]], prompts, max_new_tokens, batch_size,
+                 params: SamplingParams = GREEDY, repeats: int = 1, **options) -> list[Result]:
+    """Each setting (a tree, or None for speculation off; and whether the head is kept, `warm_engine`) generates for
+    every prompt, `batch_size` at a time, `repeats` timed times after the same untimed run: tokens/s (prefill
+    included; the median run's, so that one run's hiccup does not decide a comparison) and τ, unsynchronised; then
+    the step split from the first batch run again with each phase timed. With `repeats` above 1 every setting's engine
+    is built first and the timed runs go round by round, each round timing every setting once, so that a drift over
+    the sweep (the GPU's clocks, the host's load: the 8B's step without speculation fell 4.72 -> 4.37 ms over four
+    processes of one call, docs/perf.md's twenty-fifth entry) falls on all of them alike and not on the later ones;
+    one setting at a time otherwise, the least memory. `options`: further EngineConfig fields. -> a Result a setting,
+    in order."""
+    groups = [settings] if repeats > 1 else [[setting] for setting in settings]
+    device = target.lm_head_weight.device
+    results = []
+    for group in groups:
+        gc.collect()  # the last group's engines (their graphs hold cycles), before `weights` is read
+        weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # and what else no engine holds
+        engines, peaks = [], []  # a setting's peak GiB: the weights and its own engine's most, not the others'
+        for shape, head_kept in group:
+            engine, added = _warmed(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept,
+                                    **options)
+            engines.append(engine)
+            peaks.append((weights + added) / 2**30)
+        runs = [[] for _ in group]  # (tokens/s, tokens generated after the prefill, verifications) a timed run
+        for _ in range(repeats):
+            for engine, timed in zip(engines, runs, strict=True):
+                timed.append(_timed_run(engine, prompts, max_new_tokens, batch_size, params))
+        results += [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens, params)
+                    for (shape, head_kept), engine, peak, timed in zip(group, engines, peaks, runs, strict=True)]
+    return results
 
+
+def _result(engine: Engine, shape: TreeShape | None, head_kept: bool, timed: list[tuple[float, int, int]],
+            peak_gib: float, batch: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Result:
+    """A setting's Result from its timed runs (`_timed_run`'s) and a run of `batch` with each phase timed."""
+    generated, verifications = sum(run[1] for run in timed), sum(run[2] for run in timed)
+    tau = generated / max(verifications, 1) if shape else 1.0  # none when every request stops at its prefill
     engine.profile, engine.decode_steps = True, 0
-    engine.generate(prompts[:batch_size], params, max_new_tokens)
+    engine.generate(batch, params, max_new_tokens)
     t, steps = engine.timings, max(engine.decode_steps, 1)
+    speeds = [run[0] for run in timed]
     return Result(
-        batch_size, OFF_WITH_HEAD if head_kept else format_setting(shape), tau,
+        len(batch), OFF_WITH_HEAD if head_kept else format_setting(shape), tau,
         1e3 * (t["draft"] + t["verify"] + t["accept"]) / steps,
         1e3 * t["draft"] / steps, 1e3 * t["verify"] / steps, 1e3 * t["accept"] / steps,
         1e3 * (t["decode"] - t["draft"] - t["verify"] - t["accept"]) / steps, 1e3 * t["prefill"],
-        statistics.median(speeds), torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0,
-        tokens_per_s_runs=speeds,
+        statistics.median(speeds), peak_gib, tokens_per_s_runs=speeds,
     )
+
+
+def _warmed(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options
+            ) -> tuple[Engine, int]:
+    """`warm_engine`, and the most GPU memory its untimed run added, in bytes (0 on CPU): that run does the timed
+    runs' work and captures their graphs."""
+    device = target.lm_head_weight.device
+    if device.type != "cuda":
+        return warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options), 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    engine = warm_engine(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options)
+    torch.cuda.synchronize(device)
+    return engine, torch.cuda.max_memory_allocated(device) - before
+
+
+def _timed_run(engine: Engine, prompts, max_new_tokens, batch_size, params) -> tuple[float, int, int]:
+    """One timed generation of every prompt -> (output tokens/s, tokens generated after the prefills, verifications)."""
+    start = time.perf_counter()
+    requests = generate_all(engine, prompts, max_new_tokens, batch_size, params)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.output) for r in requests)
+    return tokens / seconds, tokens - len(requests), sum(len(r.accepted) for r in requests)
 
 
 @torch.no_grad()
@@ -261,9 +301,10 @@ def main(argv: list[str] | None = None) -> None:
                         "comes from the prefill, the decode steps after it are what is timed)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--repeats", type=int, default=1,
-                        help="timed runs of each setting, back to back; tokens/s is the median run's and the table's "
-                        "spread column their range over it (3 or more where settings are close, as at large batch "
-                        "sizes, whose runs are short)")
+                        help="timed runs of each setting, in rounds that time every setting of a batch size once "
+                        "(their engines held at once); tokens/s is the median run's and the table's spread column "
+                        "their range over it (3 or more where settings are close, as at large batch sizes, whose runs "
+                        "are short)")
     parser.add_argument("--num-prompts", type=int, default=1,
                         help="prompts per batch size, that batch size at a time (never fewer than the batch size; "
                         "Hugging Face runs this many at batch 1)")
@@ -330,16 +371,14 @@ def main(argv: list[str] | None = None) -> None:
                          f"vocabulary of {head.draft_vocab_size} tokens")
 
     options = engine_options(args)
+    settings = [(None, False)] + [(shape, False) for shape in args.trees] + ([(None, True)] if args.autotune else [])
     results: list[Result] = []
     for bs in args.batch_sizes:
         batch_prompts = prompts[:batch_prompt_count(bs, args.num_prompts)]
-        base = run_setting(target, head, None, batch_prompts, args.output_len, bs, params, repeats=args.repeats,
-                           **options)
+        base, *others = run_settings(target, head, settings, batch_prompts, args.output_len, bs, params,
+                                     repeats=args.repeats, **options)
         results.append(base)
-        runs = [(shape, False) for shape in args.trees] + ([(None, True)] if args.autotune else [])
-        for shape, head_kept in runs:
-            r = run_setting(target, head, shape, batch_prompts, args.output_len, bs, params, head_kept,
-                            repeats=args.repeats, **options)
+        for r in others:
             r.speedup = r.tokens_per_s / base.tokens_per_s
             r.step_vs_off = r.step_ms / base.step_ms
             results.append(r)

@@ -40,24 +40,24 @@ def test_autotune_picks_what_a_server_can_run(monkeypatch, tmp_path, capsys, off
     autotune weighs that run, never the head-less "off", however fast."""
     speeds = {"off": 100.0, "3,1,4": 80.0, "2,2,4": 50.0, OFF_WITH_HEAD: off_with_head}
 
-    def measured(target, head, shape, prompts, new_tokens, batch_size, params, head_kept=False, **options):
-        setting = OFF_WITH_HEAD if head_kept else format_setting(shape)
-        return Result(batch_size, setting, 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, speeds[setting], 0.0)
+    def measured(target, head, settings, prompts, new_tokens, batch_size, params, **options):
+        labels = [OFF_WITH_HEAD if head_kept else format_setting(shape) for shape, head_kept in settings]
+        return [Result(batch_size, label, 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, speeds[label], 0.0) for label in labels]
 
-    monkeypatch.setattr(bench, "run_setting", measured)
+    monkeypatch.setattr(bench, "run_settings", measured)
     main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "3,1,4", "2,2,4",
           "--device", "cpu", "--autotune", str(tmp_path / "autotune.json")])
     assert json.loads((tmp_path / "autotune.json").read_text())["best_setting_by_batch_size"] == {"1": best}
 
 
 def test_json_keeps_the_batch_sizes_measured_before_a_failure(monkeypatch, tmp_path):
-    def measured(target, head, shape, prompts, new_tokens, batch_size, params, head_kept=False, **options):
+    def measured(target, head, settings, prompts, new_tokens, batch_size, params, **options):
         if batch_size == 4:
             raise RuntimeError("CUDA out of memory")
-        return Result(batch_size, "off" if shape is None else format_setting(shape), 1.0, 1.0, 0.1, 0.8, 0.1, 0.1,
-                      1.0, 100.0, 0.0)
+        return [Result(batch_size, format_setting(shape), 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, 100.0, 0.0)
+                for shape, _ in settings]
 
-    monkeypatch.setattr(bench, "run_setting", measured)
+    monkeypatch.setattr(bench, "run_settings", measured)
     with pytest.raises(RuntimeError, match="out of memory"):
         main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "3,1,4",
               "--batch-sizes", "1", "2", "4", "--device", "cpu", "--json", str(tmp_path / "r.json")])
@@ -130,8 +130,8 @@ def test_draft_vocab_sizes_the_random_head(monkeypatch, capsys):
     import eyas.serve.bench as bench
 
     heads = []
-    run_setting = bench.run_setting
-    monkeypatch.setattr(bench, "run_setting", lambda target, head, *args, **kw: heads.append(head) or run_setting(
+    run_settings = bench.run_settings
+    monkeypatch.setattr(bench, "run_settings", lambda target, head, *args, **kw: heads.append(head) or run_settings(
         target, head, *args, **kw))
     main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "2,2,3",
           "--draft-vocab", "100", "--device", "cpu"])
@@ -145,7 +145,7 @@ def test_draft_vocab_sizes_the_random_head(monkeypatch, capsys):
                               "drafts pass the target's context"),
 ])
 def test_settings_the_model_cannot_run_are_usage_errors_before_the_sweep(args, words, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "run_setting", lambda *args, **kw: pytest.fail("measured"))
+    monkeypatch.setattr(bench, "run_settings", lambda *args, **kw: pytest.fail("measured"))
     with pytest.raises(SystemExit) as exit_info:
         main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
     assert exit_info.value.code == 2 and words in capsys.readouterr().err
@@ -222,17 +222,40 @@ def test_chat_prompts_from_packaged_sets(name, smollm2_tokenizer):
         chat_prompts(name, smollm2_tokenizer, 1, 3)
 
 
-def test_repeats_time_each_setting_and_report_the_median_run(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_repeats_time_each_setting_in_rounds_and_report_the_median_run(monkeypatch, tmp_path, capsys, repeats):
     runs = []  # generate_all's calls: per setting, the untimed run, the timed ones, then none (profiling)
     generate = bench.generate_all
     monkeypatch.setattr(bench, "generate_all", lambda engine, *args, **kw: runs.append(engine) or generate(
         engine, *args, **kw))
-    main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "4", "--trees", "2,1,3",
-          "--repeats", "3", "--device", "cpu", "--json", str(tmp_path / "r.json")])
-    assert [runs.count(e) for e in dict.fromkeys(runs)] == [4, 4]  # off and 2,1,3: warm-up + 3 timed runs each
+    main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "4", "--trees", "2,1,3", "2,2,3",
+          "--repeats", str(repeats), "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    engines = list(dict.fromkeys(runs))
+    assert len(engines) == 3  # off, 2,1,3 and 2,2,3
+    if repeats == 1:  # one engine at a time: its untimed run, then its timed one
+        assert runs == [e for e in engines for _ in range(2)]
+    else:  # every engine warmed, then rounds that time each once: a drift over the sweep falls on all alike
+        assert runs == engines + engines * repeats
     results = json.loads((tmp_path / "r.json").read_text())
     for r in results:
         speeds = r["tokens_per_s_runs"]
-        assert len(speeds) == 3 and r["tokens_per_s"] == statistics.median(speeds)
+        assert len(speeds) == repeats and r["tokens_per_s"] == statistics.median(speeds)
         assert r["spread"] == pytest.approx((max(speeds) - min(speeds)) / r["tokens_per_s"])
     assert "spread" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_an_interleaved_settings_peak_memory_is_its_own():
+    """With repeats the settings' engines are held at once: each setting's peak still counts the weights and its own
+    engine alone, as when they run one at a time. (Each engine's KV, 16 prompts of 1,500 tokens, is about twice the
+    weights: a peak that counted the engines built before it would be far off.)"""
+    target = random_target("smollm2-135m", torch.bfloat16, "cuda")
+    head = random_head(target)
+    settings = [(None, False), (TreeShape(5, 4, 8), False), (TreeShape(6, 8, 48), False)]
+    prompts = [list(range(10, 1510))] * 16
+
+    def peaks(repeats):
+        return [r.peak_gib for r in bench.run_settings(target, head, settings, prompts, 8, 16, repeats=repeats)]
+
+    alone = peaks(1)
+    assert peaks(2) == pytest.approx(alone, rel=0.05)
