@@ -70,11 +70,16 @@ class Fp8Weights:
 @torch.no_grad()
 def quantize_linears(model: nn.Module) -> Fp8Weights:
     """Every `nn.Linear` of `model` gets its weight rounded as `quantize` rounds it (a new tensor of the same dtype:
-    the old one may be shared); returns their float8 copies."""
+    the old one may be shared); returns their float8 copies. Idempotent, as `fuse_projections` is: the table stays on
+    the model and a second call returns it, so engines built over one head share its copies (new ones would replace
+    the tensors that an earlier engine's CUDA graphs read, as `bench-eagle --repeats` keeps engines side by side)."""
+    if (table := getattr(model, "fp8_copies", None)) is not None:
+        return table
     table = Fp8Weights()
     for module in model.modules():
         if isinstance(module, nn.Linear):
             copy = quantize(module.weight)
             module.weight = nn.Parameter(dequantize(copy, module.weight.dtype), requires_grad=False)
             table.add(module.weight, copy)
+    model.fp8_copies = table
     return table

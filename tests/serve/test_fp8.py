@@ -57,6 +57,13 @@ def test_linears_are_rounded_in_place_and_borrowed_weights_left_alone():
         assert table.get(old) is None
 
 
+def test_quantizing_again_keeps_the_weights_and_copies_engines_read():
+    model = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 8))
+    table = quantize_linears(model)
+    weights = [m.weight for m in model]
+    assert quantize_linears(model) is table and all(m.weight is w for m, w in zip(model, weights, strict=True))
+
+
 def test_a_copy_is_found_by_the_weight_itself():
     table, w = Fp8Weights(), torch.randn(4, 4)
     table.add(w, quantize(w))
