@@ -74,7 +74,7 @@ class Result:
     host_ms: float  # a decode step's time outside the three phases: scheduling, block tables, input copies
     prefill_ms: float  # the first batch's prompts prefilled, whole (at batch 1: one prompt)
     tokens_per_s: float  # the median of `tokens_per_s_runs`
-    peak_gib: float  # peak GPU memory allocated during the runs (0 on CPU)
+    peak_gib: float  # the weights and the most its own engine allocated, in its untimed run (0 on CPU)
     speedup: float = 1.0
     step_vs_off: float = 1.0  # this setting's step time over the no-speculation step at the same batch size
     tokens_per_s_runs: list[float] = field(default_factory=list)  # each timed run's (`--repeats`)
