@@ -396,9 +396,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
-    block_n, block_k, stages, warps, splits = launch or rows_launch(M, N_out, K, quantized is not None)
-    tiles, chunks = triton.cdiv(N_out, block_n), triton.cdiv(K, block_k)
-    splits = equal_runs(chunks, splits)
+    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None)  # splits: equal runs
+    block_n, block_k, stages, warps, splits = launch
+    tiles = triton.cdiv(N_out, block_n)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     partials = counters = out  # unused pointers without a split
     if splits > 1:  # each program's sums [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
@@ -434,6 +434,11 @@ def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     else:
         splits = min(6, chunks // 2) if tiles <= 32 and chunks >= 8 else 1
     return equal_runs(chunks, splits)
+
+
+def as_run(launch: RowsLaunch, K: int) -> RowsLaunch:
+    """`launch` as `rows_kernel` runs it over K inputs: its splits as equal runs of whole chunks of K (`equal_runs`)."""
+    return launch._replace(splits=equal_runs(triton.cdiv(K, launch.block_k), launch.splits))
 
 
 def equal_runs(chunks: int, splits: int) -> int:

@@ -84,7 +84,7 @@ def as_launched(launches: list[kernels.RowsLaunch], N_out: int, K: int) -> list[
     those that split more tiles than it has arrival counters for."""
     runs = []
     for launch in launches:
-        run = launch._replace(splits=kernels.equal_runs(-(-K // launch.block_k), launch.splits))
+        run = kernels.as_run(launch, K)
         if run not in runs and (run.splits == 1 or -(-N_out // run.block_n) <= kernels.SPLIT_MAX_TILES):
             runs.append(run)
     return runs
