@@ -176,24 +176,27 @@ def run_settings(target, head, settings: list[tuple[TreeShape | None, bool]], pr
     one setting at a time otherwise, the least memory. `options`: further EngineConfig fields. -> a Result a setting,
     in order."""
     groups = [settings] if repeats > 1 else [[setting] for setting in settings]
+    return [result for group in groups for result in _run_group(target, head, group, prompts, max_new_tokens,
+                                                                  batch_size, params, repeats, **options)]
+
+
+def _run_group(target, head, group, prompts, max_new_tokens, batch_size, params, repeats, **options) -> list[Result]:
+    """`run_settings` for settings whose engines are held at once; they are freed on return, before the next group
+    reads its weights' memory."""
     device = target.lm_head_weight.device
-    results = []
-    for group in groups:
-        gc.collect()  # the last group's engines (their graphs hold cycles), before `weights` is read
-        weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # and what else no engine holds
-        engines, peaks = [], []  # a setting's peak GiB: the weights and its own engine's most, not the others'
-        for shape, head_kept in group:
-            engine, added = _warmed(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept,
-                                    **options)
-            engines.append(engine)
-            peaks.append((weights + added) / 2**30)
-        runs = [[] for _ in group]  # (tokens/s, tokens generated after the prefill, verifications) a timed run
-        for _ in range(repeats):
-            for engine, timed in zip(engines, runs, strict=True):
-                timed.append(_timed_run(engine, prompts, max_new_tokens, batch_size, params))
-        results += [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens, params)
-                    for (shape, head_kept), engine, peak, timed in zip(group, engines, peaks, runs, strict=True)]
-    return results
+    gc.collect()  # the last group's engines (their graphs hold cycles), before `weights` is read
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # and what else no engine holds
+    engines, peaks = [], []  # a setting's peak GiB: the weights and its own engine's most, not the others'
+    for shape, head_kept in group:
+        engine, added = _warmed(target, head, shape, prompts, max_new_tokens, batch_size, params, head_kept, **options)
+        engines.append(engine)
+        peaks.append((weights + added) / 2**30)
+    runs = [[] for _ in group]  # (tokens/s, tokens generated after the prefill, verifications) a timed run
+    for _ in range(repeats):
+        for engine, timed in zip(engines, runs, strict=True):
+            timed.append(_timed_run(engine, prompts, max_new_tokens, batch_size, params))
+    return [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens, params)
+            for (shape, head_kept), engine, peak, timed in zip(group, engines, peaks, runs, strict=True)]
 
 
 def _result(engine: Engine, shape: TreeShape | None, head_kept: bool, timed: list[tuple[float, int, int]],

@@ -2,6 +2,7 @@
 
 import json
 import statistics
+import weakref
 
 import pytest
 import torch
@@ -242,6 +243,25 @@ def test_repeats_time_each_setting_in_rounds_and_report_the_median_run(monkeypat
         assert len(speeds) == repeats and r["tokens_per_s"] == statistics.median(speeds)
         assert r["spread"] == pytest.approx((max(speeds) - min(speeds)) / r["tokens_per_s"])
     assert "spread" in capsys.readouterr().out
+
+
+def test_a_groups_engines_are_freed_before_the_next_group_reads_the_memory_in_use(monkeypatch):
+    """One setting at a time, each engine is gone when the next is built: the memory read then as the weights' (the
+    base of a setting's peak) must not hold the last setting's KV and graphs."""
+    built, alive_at_build = [], []
+    warmed = bench._warmed
+
+    def track(*args, **kwargs):
+        alive_at_build.append([ref() is not None for ref in built])
+        engine, added = warmed(*args, **kwargs)
+        built.append(weakref.ref(engine))
+        return engine, added
+
+    monkeypatch.setattr(bench, "_warmed", track)
+    target = random_target("tiny", torch.float32, "cpu")
+    settings = [(None, False), (TreeShape(2, 1, 3), False), (TreeShape(2, 2, 3), False)]
+    bench.run_settings(target, random_head(target), settings, [list(range(10, 30))] * 2, 4, 2)
+    assert alive_at_build == [[], [False], [False, False]]
 
 
 @pytest.mark.gpu
