@@ -18,6 +18,7 @@ memory, and the outputs live outside it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,15 @@ def length_bucket(length: int) -> int:
     return -(-length // 256) * 256
 
 
+@functools.cache
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every capture warms up on, one a device for the process: cuBLAS keeps a workspace (32 MiB on
+    Hopper) for each stream it has run on until the process ends, so a new stream a capture took one more from
+    PyTorch's pool of 32 streams; engines built one after another in a benchmark held up to 1 GiB more so
+    (docs/perf.md, twenty-sixth entry)."""
+    return torch.cuda.Stream(device)
+
+
 def length_buckets(most: int) -> list[int]:
     """Every length bucket up to `most` tokens."""
     buckets = [16]
@@ -55,6 +65,7 @@ class GraphCache:
         self.enabled = enabled
         self.capture = enabled and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.warmup_stream = _warmup_stream(device) if self.capture else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], tuple[Tensor, ...]]] = {}
 
     def __call__(self, name: str, fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
@@ -73,7 +84,7 @@ class GraphCache:
     def _capture(self, fn, inputs):
         static_inputs = [x.clone() for x in inputs]
         # Warm up on a side stream (Triton compiles, the allocator settles), as graph capture requires.
-        stream = torch.cuda.Stream()
+        stream = self.warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
