@@ -42,9 +42,9 @@ def length_bucket(length: int) -> int:
 
 @functools.cache
 def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream every capture warms up on, one a device for the process: cuBLAS keeps a workspace (32 MiB on
-    Hopper) for each stream it has run on until the process ends, so a new stream a capture took one more from
-    PyTorch's pool of 32 streams; engines built one after another in a benchmark held up to 1 GiB more so
+    """The side stream every capture warms up on, one a device for the process: cuBLAS keeps a workspace for each
+    stream it has run on until the process ends, so a new stream a capture took one more from PyTorch's pool of 32
+    streams; engines built one after another in a benchmark held 1.02 GiB more so on an H200, about 32 MiB a stream
     (docs/perf.md, twenty-sixth entry)."""
     return torch.cuda.Stream(device)
 

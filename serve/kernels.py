@@ -332,10 +332,10 @@ def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
     """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm inside the rows
     kernel on a weight of at most ROWS_NORM_MAX_WEIGHT entries, else in one kernel before the matmul; SiLU·mul in the
     matmul's epilogue (or after cuBLAS's)."""
+    copy = _read_copy(x, weight, quantized)
     if (norm is not None and weight.numel() <= ROWS_NORM_MAX_WEIGHT and norm[0].dtype == x.dtype
-            and (residual is None or residual.dtype == x.dtype) and takes_rows_kernel(x, weight, quantized)):
-        return rows_kernel(x, weight, bias, silu_mul_output, _read_copy(x, weight, quantized), residual=residual,
-                           norm=norm)
+            and (residual is None or residual.dtype == x.dtype) and _takes_rows_kernel(x, weight, copy)):
+        return rows_kernel(x, weight, bias, silu_mul_output, copy, residual=residual, norm=norm)
     normed, stream = add_norm(x, residual, norm, rms_norm)
     y = rows_matmul(normed, weight, bias, silu_mul_output, quantized)
     return y if residual is None else (y, stream)
@@ -363,16 +363,18 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     `silu_mul`) with `weight`. x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
-    if not takes_rows_kernel(x, weight, quantized):
+    copy = _read_copy(x, weight, quantized)
+    if not _takes_rows_kernel(x, weight, copy):
         y = torch.nn.functional.linear(x, weight, bias)
         return silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
-    return rows_kernel(x, weight, bias, silu_mul_output, _read_copy(x, weight, quantized))
+    return rows_kernel(x, weight, bias, silu_mul_output, copy)
 
 
-def takes_rows_kernel(x: Tensor, weight: Tensor, quantized: Fp8Weight | None) -> bool:
-    """Whether `rows_matmul` runs x [..., K] against weight [N, K] in `rows_kernel` (else cuBLAS)."""
+def _takes_rows_kernel(x: Tensor, weight: Tensor, copy: Fp8Weight | None) -> bool:
+    """Whether `rows_matmul` runs x [..., K] against weight [N, K] in `rows_kernel` (else cuBLAS); `copy`: the float8
+    copy it would read there (`_read_copy`)."""
     M = x.numel() // x.shape[-1]
-    return (2 <= M <= ROWS_MAX and (weight.numel() <= ROWS_MAX_WEIGHT or _read_copy(x, weight, quantized) is not None)
+    return (2 <= M <= ROWS_MAX and (weight.numel() <= ROWS_MAX_WEIGHT or copy is not None)
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
 
 
