@@ -1,9 +1,9 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
 (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
 SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it fused in, a
-few-rows matmul for small weights with SiLU·mul in its epilogue, K split over programs where its output columns
-are few, and for the smallest the add and RMSNorm before it (`rows_matmul`), both reading a draft head's float8
-copies where the engine made them (`--draft-fp8`, `fp8.py`); and for speculation, the draft's
+few-rows matmul for small weights with SiLU·mul in its epilogue and K split over programs where its output columns
+are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made them (`--draft-fp8`,
+`fp8.py`); and for speculation, the draft's
 top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down
 the tree, greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`,
 `row_sum`: a row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a
@@ -329,13 +329,8 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 
 def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
-    """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm inside the rows
-    kernel on a weight of at most ROWS_NORM_MAX_WEIGHT entries, else in one kernel before the matmul; SiLU·mul in the
-    matmul's epilogue (or after cuBLAS's)."""
-    copy = _read_copy(x, weight, quantized)
-    if (norm is not None and weight.numel() <= ROWS_NORM_MAX_WEIGHT and norm[0].dtype == x.dtype
-            and (residual is None or residual.dtype == x.dtype) and _takes_rows_kernel(x, weight, copy)):
-        return rows_kernel(x, weight, bias, silu_mul_output, copy, residual=residual, norm=norm)
+    """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm before it in one
+    kernel; SiLU·mul in the matmul's epilogue (or after cuBLAS's)."""
     normed, stream = add_norm(x, residual, norm, rms_norm)
     y = rows_matmul(normed, weight, bias, silu_mul_output, quantized)
     return y if residual is None else (y, stream)
@@ -349,11 +344,6 @@ ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (do
 # (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes.
 ROWS_FP8_MAX = 16
 ROWS_FP8_MIN_WEIGHT = 1 << 24
-# Up to this many entries a weight's few-rows call costs about its launch (SmolLM2's, at most 1.8 M entries, run in
-# 3-6 µs), so the add and RMSNorm before it run inside `rows_kernel` rather than as a launch of their own: 60 launches
-# less a SmolLM2 verification. The 8B's weights (16 M entries and more) stream for tens of µs; there the rows' extra
-# reads that every program makes were not measured.
-ROWS_NORM_MAX_WEIGHT = 1 << 22
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
@@ -363,25 +353,14 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     `silu_mul`) with `weight`. x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
-    copy = _read_copy(x, weight, quantized)
-    if not _takes_rows_kernel(x, weight, copy):
+    M = x.numel() // K
+    if quantized is not None and not reads_fp8_rows(M, N, K):
+        quantized = None
+    if not (2 <= M <= ROWS_MAX and (N * K <= ROWS_MAX_WEIGHT or quantized is not None)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()):
         y = torch.nn.functional.linear(x, weight, bias)
         return silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
-    return rows_kernel(x, weight, bias, silu_mul_output, copy)
-
-
-def _takes_rows_kernel(x: Tensor, weight: Tensor, copy: Fp8Weight | None) -> bool:
-    """Whether `rows_matmul` runs x [..., K] against weight [N, K] in `rows_kernel` (else cuBLAS); `copy`: the float8
-    copy it would read there (`_read_copy`)."""
-    M = x.numel() // x.shape[-1]
-    return (2 <= M <= ROWS_MAX and (weight.numel() <= ROWS_MAX_WEIGHT or copy is not None)
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
-
-
-def _read_copy(x: Tensor, weight: Tensor, quantized: Fp8Weight | None) -> Fp8Weight | None:
-    """`quantized` where `rows_matmul` reads the float8 copy at x's rows (`reads_fp8_rows`), else None."""
-    N, K = weight.shape
-    return quantized if quantized is not None and reads_fp8_rows(x.numel() // K, N, K) else None
+    return rows_kernel(x, weight, bias, silu_mul_output, quantized)
 
 
 class RowsLaunch(NamedTuple):
@@ -404,26 +383,20 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
 
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
-                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, *,
-                residual: Tensor | None = None, norm: tuple[Tensor, float] | None = None):
+                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
     benchmark sweeps them): tensor cores, in the programmatic dependent launches (cuBLAS's cannot join them), the
     first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves in the epilogue
     (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two), reading the float8
     copy `quantized` where given. Weights of few output columns split K over several programs (`rows_splits`).
-    With `norm` (an RMSNorm's weight in x's dtype, and eps) the input is `fused_linear`'s norm(x + residual), formed
-    as the rows load, K then not split; with `residual` the pair (y, x + residual) is returned.
     x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]."""
     N, K = weight.shape
     rows = _rows(x)  # [M, K]
     M = len(rows)
     assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
-    assert norm is not None or residual is None, "a residual without a norm: add them first"
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
     launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None)  # splits: equal runs
-    if norm is not None:  # every program sums its rows' squares over all of K
-        launch = launch._replace(splits=1)
     block_n, block_k, stages, warps, splits = launch
     tiles = triton.cdiv(N_out, block_n)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
@@ -432,18 +405,14 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         assert tiles <= SPLIT_MAX_TILES, f"{tiles} tiles split, for {SPLIT_MAX_TILES} counters"
         partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
-    res = _rows(residual) if residual is not None else rows  # unused pointers without a residual
-    stream = torch.empty(*x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     _rows_matmul_kernel[(tiles, splits)](
-        rows, res, norm[0] if norm else weight, stream, *_weight_and_scale(weight, quantized),
-        bias if bias is not None else weight, out, partials, counters, M, N_out, K, rows.stride(0), res.stride(0),
-        norm[1] if norm else 0.0,
-        HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, HAS_BIAS=bias is not None,
-        HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, SPLITS=splits,
+        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, partials, counters,
+        M, N_out, K, rows.stride(0),
+        HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),
     )
-    return out if residual is None else (out, stream)
+    return out
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
@@ -486,21 +455,15 @@ def _split_counters(device: torch.device) -> Tensor:
 
 
 @jit
-def _rows_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr,
-                        counters_ptr, M, N, K, stride_x, stride_res, eps, HAS_RESIDUAL: tl.constexpr,
-                        HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        SILU_MUL: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_x,
+                        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
+                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
     float8 and each output column is scaled by its row's scale_ptr entry (`serve/fp8.py`): the products of x and
     the float8 values are exact in the dot's fp32, and so is the power-of-two scale.
-
-    With HAS_NORM (and SPLITS = 1) the input is RMSNorm(x + res) with weight norm_w, folded as in
-    `_fused_linear_kernel`: each chunk of rows loaded is the stream x + res, rounded as the reference's add, times
-    norm_w; the rows' mean squares, gathered in the same loop, scale the sums at the end. With HAS_RESIDUAL the
-    stream is written to stream_ptr [M, K] too, BLOCK_K columns at a time over the first programs, after their outputs.
 
     With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
     partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
@@ -515,7 +478,6 @@ def _rows_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, stream_ptr, w_ptr, scale_ptr
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
     x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
-    res_rows = res_ptr + m[:, None] * stride_res
     # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
     kk = begin + k
     ok = n_ok[:, None] & (kk < end)[None, :]
@@ -524,30 +486,16 @@ def _rows_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, stream_ptr, w_ptr, scale_ptr
     follow(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
-    squares = tl.zeros([BLOCK_M], tl.float32)  # HAS_NORM only
-    acc, acc_up, squares = _rows_chunk(x_rows, res_rows, norm_w_ptr, w, w_up, acc, acc_up, squares, m_ok, kk, end,
-                                       HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL)
     for start in range(begin + BLOCK_K, end, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < end)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
-        acc, acc_up, squares = _rows_chunk(x_rows, res_rows, norm_w_ptr, w, w_up, acc, acc_up, squares, m_ok, kk,
-                                           end, HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL)
     if SPLITS == 1:
-        if HAS_NORM:
-            rstd = tl.rsqrt(squares / K + eps)[:, None]  # [BLOCK_M, 1]
-            acc *= rstd
-            acc_up *= rstd
         _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE, SILU_MUL)
-        if HAS_RESIDUAL:
-            for start in range(tile * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
-                kk = start + k
-                ok = m_ok[:, None] & (kk < K)[None, :]
-                s = (tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-                     + tl.load(res_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32))
-                tl.store(stream_ptr + m[:, None] * K + kk[None, :], s.to(stream_ptr.dtype.element_ty), mask=ok)
     else:
         tile_sums = partials_ptr + (m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])  # [BLOCK_M, BLOCK_N]
         size = 2 * BLOCK_M * BLOCK_N  # one program's sums
@@ -591,24 +539,15 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, 
 
 
 @jit
-def _rows_chunk(x_rows, res_rows, norm_w_ptr, w, w_up, acc, acc_up, squares, m_ok, kk, end,
-                HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K] (columns from `end` on masked): acc
     [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up), float8
-    ones converted to x's dtype (exactly); x the stream x + res with HAS_RESIDUAL, times norm_w with HAS_NORM (its
-    squares [BLOCK_M] summed; the product rounded to x's dtype for the tensor cores)."""
-    ok = m_ok[:, None] & (kk < end)[None, :]
-    x = tl.load(x_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_K]
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
-    if HAS_NORM:
-        x32 = x.to(tl.float32)
-        squares += tl.sum(x32 * x32, 1)
-        x = (x32 * tl.load(norm_w_ptr + kk, mask=kk < end, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+    ones converted to x's dtype (exactly)."""
+    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
     acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     if SILU_MUL:
         acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
-    return acc, acc_up, squares
+    return acc, acc_up
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:
