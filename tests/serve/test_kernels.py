@@ -3,9 +3,10 @@ replace every layer's elementwise work and its one-token projections.
 
 Each `check_*` body runs in two places: on CUDA at the real shapes (`gpu` marker; Llama-3.1-8B: hidden 4096,
 Hq 32 / Hkv 8, D 128; SmolLM2-135M: hidden 576, Hq 9 / Hkv 3, D 64; 1 to 4096 rows) and on CPU under Triton's
-interpreter with small shapes, in a spawned worker (tests/triton_interpreter.py). The interpreter runs fp32 and
-fp16 only: triton 3.6's interpreter casts fp32 -> bf16 by truncating, not rounding to nearest, so its bf16 results
-are an ulp off wherever torch rounds up; bf16 runs on CUDA.
+interpreter with small shapes, in a spawned worker (tests/triton_interpreter.py; each launch it interprets is also
+compiled for Hopper as far as Triton's IR, which needs no GPU). The interpreter runs fp32 and fp16 only: triton
+3.6's interpreter casts fp32 -> bf16 by truncating, not rounding to nearest, so its bf16 results are an ulp off
+wherever torch rounds up; bf16 runs on CUDA.
 
 Tolerance (atol = rtol), against the torch code in the same dtypes on the same device: 1e-5 for fp32 (fp32
 reduction order, fast rsqrt and exp), 2e-3 for fp16 and 1e-2 for bf16. The kernels round wherever the reference
