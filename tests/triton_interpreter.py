@@ -19,14 +19,12 @@ no GPU, in the process where the kernels are compiled ones, not interpreted.
 """
 
 import contextlib
-import importlib
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-import torch
 
-_LAUNCHES = []  # in the worker: the launches (`_launch`) of the function running
+_LAUNCHES = []  # in the worker: the launches (`triton_hopper.launch_spec`) of the function running
 
 
 def _patch_interpreter_scalars():
@@ -46,13 +44,15 @@ def _patch_interpreter_scalars():
 
 
 def _record_launches():
-    """Worker initializer: every kernel launch the interpreter runs is noted in _LAUNCHES (`_launch`)."""
+    """Worker initializer: every kernel launch the interpreter runs is noted in _LAUNCHES."""
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
 
+    from tests.triton_hopper import launch_spec
+
     def recorded(self, *args, grid, warmup, **kwargs):
-        _LAUNCHES.append(_launch(self.fn, self.arg_names, args, kwargs))
+        _LAUNCHES.append(launch_spec(self.fn, self.arg_names, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recorded
@@ -63,35 +63,6 @@ def _start_worker():
     _record_launches()
 
 
-_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv",
-                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                 torch.bool: "i1"}
-
-
-def _launch(fn, arg_names: list[str], args: tuple, kwargs: dict) -> tuple:
-    """(module, name, signature, constexprs, options) of a launch of the kernel `fn`: the Triton type of each
-    argument ("*bf16", "i32", "constexpr", ...), the constexprs' values, and num_warps / num_stages."""
-    bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
-    signature, constexprs = {}, {}
-    for name in arg_names:
-        value = bound[name]
-        if name in constexpr or value is None:
-            signature[name], constexprs[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TRITON_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        else:
-            signature[name] = "fp32"
-    if "PDL" in constexprs:  # as served on Hopper
-        constexprs["PDL"] = True
-    return fn.__module__, fn.__qualname__, signature, constexprs, options
-
-
 def _run_recording(fn, *args):
     """In the worker: fn(*args) and the launches it made."""
     _LAUNCHES.clear()
@@ -99,28 +70,13 @@ def _run_recording(fn, *args):
     return list(_LAUNCHES)
 
 
-def _build_for_hopper(launch: tuple, built: set) -> None:
-    """Builds one launch (`_launch`) of a kernel into Triton's IR for sm_90, unless already `built`: raises the
-    compiler's error (file, line and the message) where the kernel's code does not compile."""
-    module, name, signature, constexprs, options = launch
-    key = (module, name, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-    if key in built:
-        return
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
+def _build_for_hopper(launch, built: set) -> None:
+    """Builds one launch (`triton_hopper.launch_spec`) into Triton's IR for sm_90, unless already `built`."""
+    if launch not in built:
+        from tests import triton_hopper  # triton, which the modules that import this one may lack
 
-    kernel = getattr(importlib.import_module(module), name)
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    parsed = backend.parse_options(options)
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    source.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)
-    built.add(key)
+        triton_hopper.build_ir(launch)
+        built.add(launch)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,101 @@
+"""Triton kernels compiled for a Hopper GPU (sm_90) on a machine without one: the compiler needs no GPU.
+
+`build_ir` runs the compiler's front end, whose checks the CPU interpreter does not make (a loop that re-binds a name
+to a block of another shape runs under the interpreter and compiles nowhere). `resources` compiles all the way to a
+cubin and reads what a thread of the kernel takes: registers, and stack for the values that did not fit in them.
+Both take a `Launch`, which `launch_spec` makes from a kernel launch's arguments.
+"""
+
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+from typing import NamedTuple
+
+import torch
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv",
+                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+                 torch.bool: "i1"}
+
+
+class Launch(NamedTuple):
+    """One launch of a kernel, as the compiler sees it (hashable: launches compile once)."""
+
+    module: str
+    kernel: str  # its name in `module`
+    signature: tuple  # (argument, Triton type: "*bf16", "i32", "fp32", "constexpr", ...) in order
+    constexprs: tuple  # (argument, value) of the constexpr ones
+    options: tuple  # (option, value): num_warps, num_stages
+
+
+def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
+    """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, with
+    programmatic dependent launch on (PDL, as served on Hopper) where the kernel takes it."""
+    bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
+    constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
+    signature, constexprs = [], []
+    for name in arg_names:
+        value = bound[name]
+        if name in constexpr or value is None:
+            signature.append((name, "constexpr"))
+            constexprs.append((name, True if name == "PDL" else value))
+        elif isinstance(value, torch.Tensor):
+            signature.append((name, "*" + _TRITON_TYPES[value.dtype]))
+        elif isinstance(value, bool):
+            signature.append((name, "i1"))
+        elif isinstance(value, int):
+            signature.append((name, "i32" if -2**31 <= value < 2**31 else "i64"))
+        else:
+            signature.append((name, "fp32"))
+    options = tuple((k, kwargs[k]) for k in ("num_warps", "num_stages") if k in kwargs)
+    return Launch(fn.__module__, fn.__qualname__, tuple(signature), tuple(constexprs), options)
+
+
+def _compiled(launch: Launch):
+    """(the kernel's source for the compiler, the sm_90 target, the backend)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    kernel = getattr(importlib.import_module(launch.module), launch.kernel)
+    source = ASTSource(kernel, dict(launch.signature),
+                       {(kernel.arg_names.index(k),): v for k, v in launch.constexprs})
+    target = GPUTarget("cuda", 90, 32)
+    return source, target, make_backend(target)
+
+
+def build_ir(launch: Launch) -> None:
+    """Builds `launch` into Triton's IR for sm_90: raises the compiler's CompilationError (the kernel's source, line
+    and message) where it does not compile. In a process whose kernels are compiled ones, not interpreted."""
+    from triton._C.libtriton import ir
+
+    source, target, backend = _compiled(launch)
+    options = backend.parse_options(dict(launch.options))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+
+
+class Resources(NamedTuple):
+    registers: int  # a thread's (255 at most on Hopper)
+    stack: int  # bytes of a thread's stack frame: the values spilled from registers when they run out
+
+
+def resources(launch: Launch) -> Resources:
+    """Compiles `launch` for sm_90 and reads its registers and stack from the cubin (with the cuobjdump that the
+    triton wheel carries beside ptxas)."""
+    import triton
+
+    source, target, _ = _compiled(launch)
+    compiled = triton.compile(source, target=target, options=dict(launch.options))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    assert found, f"no registers in cuobjdump's report of {launch.kernel}:\n{usage}"
+    return Resources(int(found[1]), int(found[2]))
