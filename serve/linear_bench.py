@@ -15,6 +15,12 @@ A table row per weight and row count: cuBLAS, the served launch (`rows_launch`),
 tiles than the kernel has counters for); `--all` prints every launch of the grid. Per-call times can mislead (in
 docs/perf.md, launches within 1 µs of cuBLAS a call made verification half a millisecond slower in place), so a
 launch that wins here is then measured in `bench-eagle`'s steps.
+
+With `--resources` nothing runs and no GPU is needed: each launch is compiled for sm_90 (`hopper_compile`) and the
+table gives a thread's registers and the bytes of stack its spilled values take, served launch first. A launch at
+the register cap (255) that spills is slow for it (docs/perf.md, twenty-seventh entry).
+
+    python -m eyas.serve.linear_bench --arch smollm2-135m --rows 64 --block-k 64 128 --warps 4 8 --resources
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ import torch.nn.functional as F
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
 
-from . import kernels
+from . import hopper_compile, kernels
 from .cuda_graphs import replay_ms
-from .fp8 import quantize
+from .fp8 import E4M3, Fp8Weight, quantize
 
 L2_DEFEAT_BYTES = 256 << 20
 
@@ -79,6 +85,22 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
                 grid=[(run, us_per_call(kernel(run), copies)) for run in as_launched(launches, N_out, K)])
 
 
+def launch_resources(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLaunch], fp8: bool
+                     ) -> list[tuple[kernels.RowsLaunch, hopper_compile.Resources]]:
+    """A thread's registers and stack in each of `launches` of `rows_kernel` at a weight [N, K] and `rows` rows,
+    compiled for sm_90 (the launches recorded on meta tensors)."""
+    meta = torch.device("meta")
+    x, weight = torch.empty(rows, K, dtype=torch.bfloat16, device=meta), torch.empty(N, K, dtype=torch.bfloat16,
+                                                                                    device=meta)
+    copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device=meta), torch.empty(N, device=meta)) if fp8 else None
+    found = []
+    for launch in launches:
+        (spec,) = hopper_compile.recorded_launches(lambda launch=launch: kernels.rows_kernel(x, weight, None, silu,
+                                                                                               copy, launch))
+        found.append((launch, hopper_compile.resources(spec)))
+    return found
+
+
 def as_launched(launches: list[kernels.RowsLaunch], N_out: int, K: int) -> list[kernels.RowsLaunch]:
     """The distinct launches `rows_kernel` runs for `launches` (splits as equal runs of whole chunks of K), less
     those that split more tiles than it has arrival counters for."""
@@ -106,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--fp8", action="store_true", help="the kernel reads float8 copies of the weights")
     parser.add_argument("--all", action="store_true", help="print every launch of the grid")
+    parser.add_argument("--resources", action="store_true",
+                        help="compile each launch for sm_90 and print its registers and stack a thread instead of "
+                        "timing it (no GPU needed)")
     parser.add_argument("--json", type=Path, help="write every timing to this JSON: a record per weight and row count "
                         "(name, N, K, silu, rows, fp8, cublas_us, served_us, served_launch, grid [[launch, us]])")
     args = parser.parse_args(argv)
@@ -113,11 +138,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
     if args.json and not args.json.parent.is_dir():  # found out now, not after the sweep
         parser.error(f"--json {args.json}: no directory {args.json.parent}")
-    if not torch.cuda.is_available():
-        sys.exit("the linear benchmark needs a CUDA GPU")
     launches = [kernels.RowsLaunch(*c) for c in itertools.product(args.block_n, args.block_k, args.stages,
                                                                     args.warps, args.splits)]
     shapes = weight_shapes(args.arch)
+    if args.resources:
+        print_resources(args, shapes, launches)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("the linear benchmark needs a CUDA GPU (--resources does not)")
     print(f"µs a call, {args.arch}, {'float8' if args.fp8 else 'bf16'} weights; launch = (BLOCK_N, BLOCK_K, stages, "
           "warps, splits)")
     print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'cuBLAS':>8} {'served':>8} {'best':>8}  best launch")
@@ -135,6 +163,22 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {us:>8.2f}  {tuple(launch)}")
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
+
+
+def print_resources(args, shapes: dict, launches: list[kernels.RowsLaunch]) -> None:
+    """--resources: a row per weight, row count and launch (the served one first, marked *)."""
+    print(f"a thread's registers and stack bytes, {args.arch}, {'float8' if args.fp8 else 'bf16'} weights, compiled "
+          "for sm_90; launch = (BLOCK_N, BLOCK_K, stages, warps, splits)")
+    print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'regs':>5} {'stack':>6}  launch")
+    for name in args.weights:
+        N, K, silu = shapes[name]
+        N_out = N // 2 if silu else N
+        for rows in args.rows:
+            served = kernels.rows_launch(rows, N_out, K, args.fp8)
+            grid = [served] + [run for run in as_launched(launches, N_out, K) if run != served]
+            for launch, used in launch_resources(N, K, silu, rows, grid, args.fp8):
+                mark = "*" if launch == served else " "
+                print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {used.registers:>5} {used.stack:>6} {mark}{tuple(launch)}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-_LAUNCHES = []  # in the worker: the launches (`triton_hopper.launch_spec`) of the function running
+_LAUNCHES = []  # in the worker: the launches (`hopper_compile.launch_spec`) of the function running
 
 
 def _patch_interpreter_scalars():
@@ -49,7 +49,7 @@ def _record_launches():
 
     run = InterpretedFunction.run
 
-    from tests.triton_hopper import launch_spec
+    from eyas.serve.hopper_compile import launch_spec
 
     def recorded(self, *args, grid, warmup, **kwargs):
         _LAUNCHES.append(launch_spec(self.fn, self.arg_names, args, kwargs))
@@ -71,11 +71,11 @@ def _run_recording(fn, *args):
 
 
 def _build_for_hopper(launch, built: set) -> None:
-    """Builds one launch (`triton_hopper.launch_spec`) into Triton's IR for sm_90, unless already `built`."""
+    """Builds one launch (`hopper_compile.launch_spec`) into Triton's IR for sm_90, unless already `built`."""
     if launch not in built:
-        from tests import triton_hopper  # triton, which the modules that import this one may lack
+        from eyas.serve import hopper_compile  # triton, which the modules that import this one may lack
 
-        triton_hopper.build_ir(launch)
+        hopper_compile.build_ir(launch)
         built.add(launch)
 
 

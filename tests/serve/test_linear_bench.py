@@ -1,5 +1,5 @@
 """The few-rows linear benchmark: the weights it measures are the served model's, its grid the launches the kernel
-runs, and on a GPU it times each."""
+runs, and on a GPU it times each; without one it compiles each and reads its registers (--resources)."""
 
 import json
 
@@ -48,6 +48,21 @@ def test_rows_outside_the_kernels_range_and_a_json_without_its_folder_are_refuse
     with pytest.raises(SystemExit):
         linear_bench.main(["--json", str(tmp_path / "missing" / "t.json")])
     assert "no directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_resources_lists_the_served_launch_then_each_of_the_grid_compiled_without_a_gpu(capsys, fp8):
+    linear_bench.main(["--arch", "smollm2-135m", "--rows", "64", "--weights", "gate_up", "down", "--block-n", "32",
+                       "--block-k", "64", "128", "--stages", "4", "--warps", "4", "8", "--splits", "1", "--resources"]
+                      + ["--fp8"] * fp8)
+    rows = [line.split(maxsplit=5) for line in capsys.readouterr().out.splitlines()[2:]]
+    grid = [f"(32, {k}, 4, {w}, 1)" for k in (64, 128) for w in (4, 8)]
+    for name, N, K in [("gate_up", 3072, 576), ("down", 576, 1536)]:
+        listed = [row for row in rows if row[0] == name]
+        served = "*" + str(tuple(kernels.rows_launch(64, N // 2 if name == "gate_up" else N, K, fp8)))
+        assert listed[0][5] == served and not any(row[5].startswith("*") for row in listed[1:])
+        assert sorted(row[5].lstrip("*") for row in listed) == sorted(set(grid + [served[1:]]))
+        assert all(0 < int(row[3]) <= 255 and int(row[4]) >= 0 for row in listed)  # registers, stack bytes
 
 
 @pytest.mark.gpu

@@ -1,9 +1,13 @@
-"""Triton kernels compiled for a Hopper GPU (sm_90) on a machine without one: the compiler needs no GPU.
+"""Triton kernels compiled for a Hopper GPU (sm_90) on any machine: the compiler needs no GPU.
 
 `build_ir` runs the compiler's front end, whose checks the CPU interpreter does not make (a loop that re-binds a name
 to a block of another shape runs under the interpreter and compiles nowhere). `resources` compiles all the way to a
 cubin and reads what a thread of the kernel takes: registers, and stack for the values that did not fit in them.
-Both take a `Launch`, which `launch_spec` makes from a kernel launch's arguments.
+Both take a `Launch`: `launch_spec` makes one from a kernel launch's arguments, and `recorded_launches` records those
+that Python code makes, on meta tensors, instead of running them.
+
+    launches = recorded_launches(lambda: kernels.fused_linear(x, weight, ...))   # x, weight on the meta device
+    [resources(launch) for launch in launches]                                  # [Resources(registers, stack)]
 """
 
 import importlib
@@ -11,6 +15,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -51,6 +56,35 @@ def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
             signature.append((name, "fp32"))
     options = tuple((k, kwargs[k]) for k in ("num_warps", "num_stages") if k in kwargs)
     return Launch(fn.__module__, fn.__qualname__, tuple(signature), tuple(constexprs), options)
+
+
+def recorded_launches(call: Callable[[], object], module=None) -> set[Launch]:
+    """The kernel launches `call()` makes of the triton.jit kernels of `module` (default `eyas.serve.kernels`),
+    recorded instead of run; so `call` may pass meta tensors. The kernels are back in place on return (they call each
+    other by name, so they compile only then)."""
+    from triton.runtime.jit import JITFunction
+
+    if module is None:
+        from . import kernels as module
+    launches = set()
+
+    class Recorder:
+        def __init__(self, kernel: JITFunction):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.add(
+                launch_spec(self.kernel.fn, self.kernel.arg_names, args, kwargs))
+
+    originals = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
+    try:
+        for name, kernel in originals.items():
+            setattr(module, name, Recorder(kernel))
+        call()
+    finally:
+        for name, kernel in originals.items():
+            setattr(module, name, kernel)
+    return launches
 
 
 def _compiled(launch: Launch):
