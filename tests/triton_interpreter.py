@@ -24,6 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from eyas.serve.hopper_compile import build_ir, launch_spec
+
 _LAUNCHES = []  # in the worker: the launches (`hopper_compile.launch_spec`) of the function running
 
 
@@ -49,8 +51,6 @@ def _record_launches():
 
     run = InterpretedFunction.run
 
-    from eyas.serve.hopper_compile import launch_spec
-
     def recorded(self, *args, grid, warmup, **kwargs):
         _LAUNCHES.append(launch_spec(self.fn, self.arg_names, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -73,9 +73,7 @@ def _run_recording(fn, *args):
 def _build_for_hopper(launch, built: set) -> None:
     """Builds one launch (`hopper_compile.launch_spec`) into Triton's IR for sm_90, unless already `built`."""
     if launch not in built:
-        from eyas.serve import hopper_compile  # triton, which the modules that import this one may lack
-
-        hopper_compile.build_ir(launch)
+        build_ir(launch)
         built.add(launch)
 
 
