@@ -18,12 +18,6 @@ import tempfile
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
-_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv",
-                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                 torch.bool: "i1"}
-
 
 class Launch(NamedTuple):
     """One launch of a kernel, as the compiler sees it (hashable: launches compile once)."""
@@ -38,22 +32,16 @@ class Launch(NamedTuple):
 def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
     """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, with
     programmatic dependent launch on (PDL, as served on Hopper) where the kernel takes it."""
+    from triton.runtime.jit import mangle_type  # the launcher's own typing: "*bf16", "i32", "fp32", "constexpr"
+
     bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
     constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
     signature, constexprs = [], []
     for name in arg_names:
         value = bound[name]
-        if name in constexpr or value is None:
-            signature.append((name, "constexpr"))
+        signature.append((name, "constexpr" if name in constexpr else mangle_type(value)))
+        if signature[-1][1] == "constexpr":
             constexprs.append((name, True if name == "PDL" else value))
-        elif isinstance(value, torch.Tensor):
-            signature.append((name, "*" + _TRITON_TYPES[value.dtype]))
-        elif isinstance(value, bool):
-            signature.append((name, "i1"))
-        elif isinstance(value, int):
-            signature.append((name, "i32" if -2**31 <= value < 2**31 else "i64"))
-        else:
-            signature.append((name, "fp32"))
     options = tuple((k, kwargs[k]) for k in ("num_warps", "num_stages") if k in kwargs)
     return Launch(fn.__module__, fn.__qualname__, tuple(signature), tuple(constexprs), options)
 

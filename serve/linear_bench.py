@@ -85,14 +85,20 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
                 grid=[(run, us_per_call(kernel(run), copies)) for run in as_launched(launches, N_out, K)])
 
 
+def meta_operands(N: int, K: int, rows: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, Fp8Weight | None]:
+    """x [rows, K] and a weight [N, K] in bf16, and the weight's float8 copy where `fp8`, on the meta device: shapes
+    alone, for recording the launches a linear makes (`hopper_compile.recorded_launches`)."""
+    meta = torch.device("meta")
+    x, weight = (torch.empty(*shape, dtype=torch.bfloat16, device=meta) for shape in ((rows, K), (N, K)))
+    copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device=meta), torch.empty(N, device=meta)) if fp8 else None
+    return x, weight, copy
+
+
 def launch_resources(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLaunch], fp8: bool
                      ) -> list[tuple[kernels.RowsLaunch, hopper_compile.Resources]]:
     """A thread's registers and stack in each of `launches` of `rows_kernel` at a weight [N, K] and `rows` rows,
     compiled for sm_90 (the launches recorded on meta tensors)."""
-    meta = torch.device("meta")
-    x, weight = torch.empty(rows, K, dtype=torch.bfloat16, device=meta), torch.empty(N, K, dtype=torch.bfloat16,
-                                                                                    device=meta)
-    copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device=meta), torch.empty(N, device=meta)) if fp8 else None
+    x, weight, copy = meta_operands(N, K, rows, fp8)
     found = []
     for launch in launches:
         (spec,) = hopper_compile.recorded_launches(lambda launch=launch: kernels.rows_kernel(x, weight, None, silu,

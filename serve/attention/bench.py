@@ -28,6 +28,7 @@ import torch
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
 
+from .. import hopper_compile
 from ..kv_cache import KVPool
 from .torch_sdpa import TorchPagedAttention
 
@@ -76,7 +77,6 @@ def launch_resources(h: Heads, B: int, T: int, W: int, prefix: int, block_size: 
     """[(kernel, constexprs, num_warps, Resources)] of `paged_attention`'s launches on a case, recorded on meta
     tensors with the split-KV of a GPU of `sms` SMs and compiled for sm_90; the attention kernel at its served
     warps, then at each other of `warps`."""
-    from .. import hopper_compile
     from . import triton_paged
 
     meta = torch.device("meta")

@@ -10,11 +10,11 @@ made a SmolLM2 verification 1.47 against 1.02 ms (docs/perf.md, twenty-seventh e
 import pytest
 import torch
 
-from eyas.serve.fp8 import E4M3, Fp8Weight, Fp8Weights
-from eyas.serve.linear_bench import weight_shapes
+from eyas.serve.fp8 import Fp8Weights
 
 pytest.importorskip("triton", reason="triton is not installed (the fused kernels are optional)")
 from eyas.serve import hopper_compile, kernels  # noqa: E402  (needs triton)
+from eyas.serve.linear_bench import meta_operands, weight_shapes  # noqa: E402
 
 STACK_MAX = 64  # bytes a thread: a few spilled values (the served gate/up takes 24 at 48 and 64 rows)
 NORMED = ("qkv", "gate_up")  # the linears after a layer's add and RMSNorm
@@ -23,21 +23,17 @@ NORMED = ("qkv", "gate_up")  # the linears after a layer's add and RMSNorm
 def served_launches(arch: str, rows: int, float8: bool) -> set[hopper_compile.Launch]:
     """The launches `fused_linear` makes for each of the target's linears (`weight_shapes`, less the lm_head) at
     `rows` rows, with float8 copies of the weights where `float8`."""
-    meta = torch.device("meta")
-
     def run_linears():
         for name, (N, K, silu) in weight_shapes(arch).items():
             if name == "lm_head":
                 continue
-            x = torch.empty(rows, K, dtype=torch.bfloat16, device=meta)
-            weight = torch.empty(N, K, dtype=torch.bfloat16, device=meta)
+            x, weight, copy = meta_operands(N, K, rows, float8)
             copies = Fp8Weights()
-            if float8:
-                copies.add(weight, Fp8Weight(torch.empty(N, K, dtype=E4M3, device=meta),
-                                             torch.empty(N, dtype=torch.float32, device=meta)))
+            if copy is not None:
+                copies.add(weight, copy)
             normed = name in NORMED
             kernels.fused_linear(x, weight, residual=torch.empty_like(x) if normed else None,
-                                 norm=(torch.empty(K, dtype=torch.bfloat16, device=meta), 1e-5) if normed else None,
+                                 norm=(torch.empty_like(weight[0]), 1e-5) if normed else None,
                                  silu_mul_output=silu, fp8=copies)
 
     return hopper_compile.recorded_launches(run_linears)
