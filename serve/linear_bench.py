@@ -12,7 +12,8 @@ head's with `--draft-fp8`, and cuBLAS the bf16 weight.
 
 A table row per weight and row count: cuBLAS, the served launch (`rows_launch`), the grid's fastest and its launch
 (BLOCK_N, BLOCK_K, stages, warps, splits; splits as launched: equal runs of whole chunks of K, and none over more
-tiles than the kernel has counters for); `--all` prints every launch of the grid. Per-call times can mislead (in
+tiles than the kernel has counters for); `--all` prints every launch of the grid. A launch whose stages of tiles need
+more shared memory than an SM has is listed, untimed, under its row. Per-call times can mislead (in
 docs/perf.md, launches within 1 µs of cuBLAS a call made verification half a millisecond slower in place), so a
 launch that wins here is then measured in `bench-eagle`'s steps.
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
 
@@ -78,11 +80,17 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
     def kernel(launch):
         return lambda i: kernels.rows_kernel(x, weights[i], None, silu, quantized[i], launch)
 
+    def timed(launch):
+        try:
+            return us_per_call(kernel(launch), copies)
+        except OutOfResources:  # its stages of tiles need more shared memory than an SM has: not a launch to run
+            return None
+
     N_out = N // 2 if silu else N
     served = kernels.rows_launch(rows, N_out, K, fp8)
     return dict(N=N, K=K, silu=silu, rows=rows, fp8=fp8, cublas_us=us_per_call(cublas, copies),
                 served_us=us_per_call(kernel(served), copies), served_launch=served,
-                grid=[(run, us_per_call(kernel(run), copies)) for run in as_launched(launches, N_out, K)])
+                grid=[(run, timed(run)) for run in as_launched(launches, N_out, K)])
 
 
 def meta_operands(N: int, K: int, rows: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, Fp8Weight | None]:
@@ -138,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="compile each launch for sm_90 and print its registers and stack a thread instead of "
                         "timing it (no GPU needed)")
     parser.add_argument("--json", type=Path, help="write every timing to this JSON: a record per weight and row count "
-                        "(name, N, K, silu, rows, fp8, cublas_us, served_us, served_launch, grid [[launch, us]])")
+                        "(name, N, K, silu, rows, fp8, cublas_us, served_us, served_launch, grid [[launch, us]]; "
+                        "us null where the launch needs more shared memory than an SM has)")
     args = parser.parse_args(argv)
     if bad := [r for r in args.rows if not 2 <= r <= kernels.ROWS_MAX]:
         parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
@@ -161,12 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         for rows in args.rows:
             record = {"name": name, **measure(N, K, silu, rows, launches, args.fp8, "cuda")}
             records.append(record)
-            best_launch, best = min(record["grid"], key=lambda r: r[1])
+            ran = [(launch, us) for launch, us in record["grid"] if us is not None]
+            best_launch, best = min(ran, key=lambda r: r[1]) if ran else ("none of the grid fits", float("nan"))
             print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {record['cublas_us']:>8.2f} {record['served_us']:>8.2f} "
-                  f"{best:>8.2f}  {tuple(best_launch)}")
-            if args.all:
-                for launch, us in record["grid"]:
-                    print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {us:>8.2f}  {tuple(launch)}")
+                  f"{best:>8.2f}  {tuple(best_launch) if ran else best_launch}")
+            for launch, us in record["grid"] if args.all else [r for r in record["grid"] if r[1] is None]:
+                timing = f"{us:>8.2f}" if us is not None else f"{'-':>8}"
+                print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {timing}  {tuple(launch)}"
+                      + ("  needs more shared memory than an SM has" if us is None else ""))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
 

@@ -8,6 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
 from eyas.common.architectures import architecture_config  # noqa: E402
 from eyas.common.layers import fuse_projections  # noqa: E402
 from eyas.common.target import TargetModel  # noqa: E402
@@ -63,6 +65,34 @@ def test_resources_lists_the_served_launch_then_each_of_the_grid_compiled_withou
         assert listed[0][5] == served and not any(row[5].startswith("*") for row in listed[1:])
         assert sorted(row[5].lstrip("*") for row in listed) == sorted(set(grid + [served[1:]]))
         assert all(0 < int(row[3]) <= 255 and int(row[4]) >= 0 for row in listed)  # registers, stack bytes
+
+
+def test_a_launch_without_the_shared_memory_is_kept_untimed_and_the_sweep_goes_on(monkeypatch):
+    """On an H200 (64, 128, 4 stages) at 64 rows of SmolLM2's gate/up asks 245,760 bytes of shared memory: the
+    sweep used to stop there."""
+    def rows_kernel(x, weight, bias, silu, copy, launch):
+        if launch.block_n == 64:
+            raise OutOfResources(245760, 232448, "shared memory")
+
+    monkeypatch.setattr(kernels, "rows_kernel", rows_kernel)
+    def us_per_call(call, copies):
+        call(0)
+        return 1.0
+
+    monkeypatch.setattr(linear_bench, "us_per_call", us_per_call)
+    grid = [kernels.RowsLaunch(n, 128, 4, 4, 1) for n in (32, 64)]
+    record = linear_bench.measure(64, 32, False, 64, grid, False, "cpu")
+    assert record["grid"] == [(grid[0], 1.0), (grid[1], None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_launch_too_big_for_the_gpu_is_listed_untimed(capsys):
+    linear_bench.main(["--arch", "smollm2-135m", "--rows", "64", "--weights", "gate_up", "--block-n", "32", "64",
+                       "--block-k", "128", "--stages", "4", "--splits", "1"])
+    out = capsys.readouterr().out
+    assert "(32, 128, 4, 4, 1)" in out.splitlines()[2]
+    assert "(64, 128, 4, 4, 1)  needs more shared memory than an SM has" in out
 
 
 @pytest.mark.gpu
