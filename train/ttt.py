@@ -136,16 +136,23 @@ def acceptance_length(acc: Tensor) -> Tensor:
     return 1 + acc.cumprod(0).sum()
 
 
-def soft_cross_entropy(logits: Tensor, p: Tensor) -> Tensor:
-    """-Σ_v p_v · log_softmax(logits)_v = logsumexp(logits) - Σ_v p_v · logits_v (for Σ_v p_v = 1), in fp32.
-    logits [..., V] (any float dtype), p [..., V] fp32 -> [...]."""
+def soft_cross_entropy(logits: Tensor, label_logits: Tensor, label_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """-Σ_v p_v · log_softmax(logits)_v = logsumexp(logits) - Σ_v p_v · logits_v, for the soft labels p =
+    softmax(label_logits) = exp(label_logits - label_lse), in fp32; and the logits' argmax. logits, label_logits
+    [..., V] (any float dtype), label_lse [...] fp32 -> ([...] fp32, [...] int64). On CUDA the same in two Triton
+    passes over the logits (`soft_ce`)."""
+    top = logits.detach().argmax(-1)
     logits = logits.float()
-    return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+    p = torch.exp(label_logits.float() - label_lse.unsqueeze(-1))
+    return torch.logsumexp(logits, -1) - (p * logits).sum(-1), top
 
 
-# On CUDA, compiled: the loss over a [B, T, 32k] vocab is memory-bound, and fused it reads the logits about twice
-# forward and backward instead of writing [B, T, V] fp32 intermediates (a 135M target's step: 115 -> 96 ms).
-_soft_cross_entropy_compiled = torch.compile(soft_cross_entropy, dynamic=True)
+def _soft_cross_entropy_for(logits: Tensor):
+    if not logits.is_cuda:
+        return soft_cross_entropy
+    from .soft_ce import soft_cross_entropy_kernel  # triton, which CUDA builds of torch bring
+
+    return soft_cross_entropy_kernel
 
 
 class TTTOutput(NamedTuple):  # a tuple, whose tensors DeepSpeed's ZeRO-3 hooks can find (not so a dataclass)
@@ -186,8 +193,10 @@ def ttt_loss(
     hot = head.hot_vocab
     with torch.no_grad():
         target_ids = target_logits.argmax(-1)  # [B, T]
-        # Softmax over the draft columns only = the target distribution renormalised over the draft vocab.
-        target_p = hot.restrict_logits(target_logits).float().softmax(-1)  # [B, T, draft_vocab]
+        # The labels: softmax over the draft columns only = the target distribution renormalised over the draft vocab,
+        # formed by the loss from these columns and their logsumexp (taken a row at a time: no fp32 [B, T, V] copy).
+        label_logits = hot.restrict_logits(target_logits)  # [B, T, draft_vocab]
+        label_lse = torch.stack([row.float().logsumexp(-1) for row in label_logits])  # [B, T]
         # counted[b, j]: p(j) is a label: x_{j+1} exists, is a real assistant token, and the argmax is draftable.
         valid = attention_mask.bool()  # [B, T]
         predicts_assistant = F.pad((loss_mask.bool() & valid)[:, 1:], (0, 1))  # [B, T]
@@ -200,11 +209,11 @@ def ttt_loss(
         n = max(T - 1 - i, 0)
         logits = head.logits(out[:, :n])  # [B, n, draft_vocab]
         w = counted[:, 1 + i :]  # [B, n]; a real x_{t+2+i} implies a real t (right padding)
-        ce = (_soft_cross_entropy_compiled if logits.is_cuda else soft_cross_entropy)(logits, target_p[:, 1 + i :])
+        ce, top = _soft_cross_entropy_for(logits)(logits, label_logits[:, 1 + i :], label_lse[:, 1 + i :])
         count = w.sum()
         losses.append((ce * w).sum() / count.clamp(min=1))
         with torch.no_grad():
-            correct = (hot.to_target(logits.argmax(-1)) == target_ids[:, 1 + i :]) & w
+            correct = (hot.to_target(top) == target_ids[:, 1 + i :]) & w
             accs.append(correct.sum() / count.clamp(min=1))
         counts.append(count)
 

@@ -244,10 +244,12 @@ def test_gradients_flow_through_the_chain(head, embed):
 def test_soft_cross_entropy_is_cross_entropy_against_soft_labels():
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(4, 5, DV, generator=g)).requires_grad_(True)
-    p = torch.randn(4, 5, DV, generator=g).softmax(-1)
-    got = soft_cross_entropy(logits, p)
+    label_logits = 2 * torch.randn(4, 5, DV, generator=g)
+    p = label_logits.softmax(-1)
+    got, top = soft_cross_entropy(logits, label_logits, label_logits.logsumexp(-1))
     expected = -(p * logits.log_softmax(-1)).sum(-1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert torch.equal(top, logits.argmax(-1))
     (grad,) = torch.autograd.grad(got.sum(), logits)
     torch.testing.assert_close(grad, logits.softmax(-1) - p, rtol=0, atol=1e-6)  # the soft-label CE gradient
 
