@@ -31,9 +31,10 @@ def _forward_kernel(x_ptr, t_ptr, u_ptr, loss_ptr, lse_ptr, top_ptr, N, V,
     t_row = t_ptr + b * stride_tb + n * stride_tn
     u = tl.load(u_ptr + b * stride_ub + n * stride_un)
     cols = tl.arange(0, BLOCK)
-    # Per lane: a running max (finite, so that a lane of masked -inf never forms inf - inf), Σ exp(x - max),
-    # Σ p·x, and the largest x with its first column (lanes see their columns in increasing order).
-    peak = tl.full([BLOCK], -1e30, tl.float32)
+    # The row's running max over the loops so far (finite: a loop of masked -inf never forms inf - inf); per lane
+    # Σ exp(x - peak), Σ p·x, and the largest x with its first column (lanes see their columns in increasing order).
+    # One max over the block a loop keeps the exps to two an element (the sum's and the label's).
+    peak = -1e30
     total = tl.zeros([BLOCK], tl.float32)
     dot = tl.zeros([BLOCK], tl.float32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -43,15 +44,14 @@ def _forward_kernel(x_ptr, t_ptr, u_ptr, loss_ptr, lse_ptr, top_ptr, N, V,
         ok = col < V
         x = tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
         t = tl.load(t_row + col, mask=ok, other=float("-inf")).to(tl.float32)
-        new_peak = tl.maximum(peak, x)
+        new_peak = tl.maximum(peak, tl.max(x, 0))
         total = total * tl.exp(peak - new_peak) + tl.exp(x - new_peak)
         peak = new_peak
         dot += tl.where(ok, tl.exp(t - u) * x, 0.0)
         better = x > best
         best_col = tl.where(better, col, best_col)
         best = tl.where(better, x, best)
-    top_peak = tl.max(peak, 0)
-    lse = top_peak + tl.log(tl.sum(total * tl.exp(peak - top_peak), 0))
+    lse = peak + tl.log(tl.sum(total, 0))
     tl.store(loss_ptr + row, lse - tl.sum(dot, 0))
     tl.store(lse_ptr + row, lse)
     top = tl.max(best, 0)
