@@ -77,14 +77,21 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 @dataclass(frozen=True)
 class Kernels:
     """The elementwise work of a layer. Modules that have a `kernels` attribute call it; these torch versions are
-    the reference, and the server swaps in fused Triton ones from outside (`eyas.serve.kernels.install`), leaving
-    the model as is."""
+    the reference; the server swaps in fused Triton ones from outside (`eyas.serve.kernels.install`), and the trainer
+    compiled ones (`eyas.train.ttt.training_kernels`), leaving the model as is (`use_kernels`)."""
 
     rms_norm: Callable = rms_norm
     rotary: Callable = lambda q, k, cos, sin: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
     silu_mul: Callable = silu_mul
     linear: Callable = fused_linear
     norm_cat: Callable = norm_cat
+
+
+def use_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Makes every layer of `model` (each module with a `kernels` attribute) call `kernels`."""
+    for module in model.modules():
+        if isinstance(getattr(module, "kernels", None), Kernels):
+            module.kernels = kernels
 
 
 class RMSNorm(nn.Module):

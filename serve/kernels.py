@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from eyas.common.layers import Kernels, add_norm
+from eyas.common.layers import Kernels, add_norm, use_kernels
 from eyas.common.target import TargetOutput
 
 from . import accept, tree
@@ -51,9 +51,7 @@ jit = triton.jit
 
 def install(model: nn.Module, kernels: Kernels | None = None) -> None:
     """Makes every layer of `model` use `kernels` (default: the fused ones, inference only: no backward)."""
-    for module in model.modules():
-        if isinstance(getattr(module, "kernels", None), Kernels):
-            module.kernels = kernels or FUSED
+    use_kernels(model, kernels or FUSED)
     first = next(model.parameters(), None)
     if first is not None:  # the split matmuls' counters, made here rather than inside a CUDA graph's capture
         _split_counters(first.device)

@@ -75,8 +75,8 @@ def _forward(target: TargetModel, input_ids: Tensor, aux_layers: tuple[int, ...]
 
 
 # The frozen target needs no backward, so its whole forward compiles into one graph: eager, each RMSNorm, rotary and
-# residual add is a chain of small kernels over [B, T, H] (a 135M target's: about a fifth of a training step's
-# kernel time at 16 rows of 2,048 tokens, docs/perf.md); compiled, a few fused ones. Lengths vary by batch: dynamic.
+# residual add is a chain of small kernels over [B, T, H]; compiled, a few fused ones (a 135M target's training step
+# at 16 rows of 2,048 tokens: 13% shorter, docs/perf.md). Lengths vary by batch: dynamic.
 _forward_compiled = torch.compile(_forward, dynamic=True)
 
 

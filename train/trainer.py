@@ -52,6 +52,7 @@ from eyas.common.config import ConfigError, TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import export_speculators, load_draft_head, save_eagle3
 from eyas.common.hot_vocab import HotVocab
+from eyas.common.layers import use_kernels
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
 
@@ -62,7 +63,7 @@ from .data import TrainData, check_fits_context, load_data, load_rows
 from .metrics import MetricsLog
 from .optim import build_optimizer, deepspeed_config
 from .target import load_target, target_states
-from .ttt import TTTOutput, acceptance_length, ttt_loss
+from .ttt import TTTOutput, acceptance_length, training_kernels, ttt_loss
 
 
 class TTTModule(nn.Module):
@@ -315,6 +316,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     # run's vocabulary. A head trained further keeps its own. Either way this run's vocabulary is not counted.
     model = dataclasses.replace(recipe.model, init_from=None) if found else recipe.model
     head = build_head(config, target, None if found or model.init_from else data.hot, model)
+    use_kernels(head, training_kernels(device))
     module = TTTModule(head, recipe.ttt.steps, recipe.ttt.decay)
     optimizer, schedule = build_optimizer(recipe, module)
     engine, _, _, _ = deepspeed.initialize(

@@ -9,8 +9,17 @@ from torch import nn
 from eyas.common.attention import CausalAttention, MaskedAttention, causal_mask
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
+from eyas.common.layers import use_kernels
 from eyas.common.target import TargetOutput
-from eyas.train.ttt import TTTAttention, acceptance_length, soft_cross_entropy, ttt_loss, ttt_mask_mod, unroll
+from eyas.train.ttt import (
+    TTTAttention,
+    acceptance_length,
+    soft_cross_entropy,
+    training_kernels,
+    ttt_loss,
+    ttt_mask_mod,
+    unroll,
+)
 
 H, HEADS, KV, D, FFN, V, DV, HT = 32, 4, 2, 8, 64, 50, 20, 24
 
@@ -257,15 +266,16 @@ def test_soft_cross_entropy_is_cross_entropy_against_soft_labels():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [300, 512])
 def test_cuda_loss_equals_cpu(embed, T):
-    """On CUDA the unrolled attention is FlexAttention (block-sparse, compiled; head_dim 16, its least) and the loss
-    compiled: loss, metrics and every gradient agree with the CPU path (dense-mask SDPA, eager), at lengths off
-    the 128-token blocks."""
+    """On CUDA the unrolled attention is FlexAttention (block-sparse, compiled; head_dim 16, its least), the head's
+    kernels compiled and the loss Triton's: loss, metrics and every gradient agree with the CPU path (dense-mask SDPA,
+    eager), at lengths off the 128-token blocks."""
     head = make_head(head_dim=16)
     batch = make_batch(head, T=T)
     batch[4][1, -37:] = 0  # row 1 right-padded
 
     def run(device):
         model, emb = (m.to(device) for m in (head, embed))
+        use_kernels(model, training_kernels(torch.device(device)))  # as the trainer: on CUDA compiled
         model.zero_grad()
         out = ttt_loss(model, emb, *(x.to(device) for x in batch), steps=4)
         out.loss.backward()
