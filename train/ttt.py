@@ -161,8 +161,8 @@ def soft_cross_entropy(logits: Tensor, label_logits: Tensor, label_lse: Tensor) 
     return torch.logsumexp(logits, -1) - (p * logits).sum(-1), top
 
 
-def _soft_cross_entropy_for(logits: Tensor):
-    if not logits.is_cuda:
+def _soft_cross_entropy_for(device: torch.device):
+    if device.type != "cuda":
         return soft_cross_entropy
     from .soft_ce import soft_cross_entropy_kernel  # triton, which CUDA builds of torch bring
 
@@ -217,13 +217,14 @@ def ttt_loss(
         counted = predicts_assistant & hot.t2d[target_ids]  # [B, T]
 
     outs = unroll(head, embed, input_ids, aux, steps)
+    soft_ce = _soft_cross_entropy_for(label_logits.device)
     losses, accs, counts = [], [], []
     for i, out in enumerate(outs):
         # Step i at positions t = 0..T-2-i is labelled by p(t+1+i); later positions have no label.
         n = max(T - 1 - i, 0)
         logits = head.logits(out[:, :n])  # [B, n, draft_vocab]
         w = counted[:, 1 + i :]  # [B, n]; a real x_{t+2+i} implies a real t (right padding)
-        ce, top = _soft_cross_entropy_for(logits)(logits, label_logits[:, 1 + i :], label_lse[:, 1 + i :])
+        ce, top = soft_ce(logits, label_logits[:, 1 + i :], label_lse[:, 1 + i :])
         count = w.sum()
         losses.append((ce * w).sum() / count.clamp(min=1))
         with torch.no_grad():
