@@ -25,8 +25,11 @@ def test_bench_tiny_random(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())
     assert {(r["batch_size"], r["setting"]) for r in results} == {
         (b, s) for b in (1, 2) for s in ("off", "3,1,4", "2,2,4", OFF_WITH_HEAD)}
+    off = {r["batch_size"]: r for r in results if r["setting"] == "off"}
     for r in results:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0 and r["prefill_ms"] > 0
+        off_ms = off[r["batch_size"]]["served_ms"]
+        assert r["served_ms"] > 0 and r["step_vs_off"] == pytest.approx(r["served_ms"] / off_ms)
         if r["setting"] == "off":
             assert r["speedup"] == 1.0 and r["draft_ms"] < r["verify_ms"]
     best = json.loads((tmp_path / "autotune.json").read_text())["best_setting_by_batch_size"]
@@ -44,7 +47,8 @@ def test_autotune_picks_what_a_server_can_run(monkeypatch, tmp_path, capsys, off
 
     def measured(target, head, settings, prompts, new_tokens, batch_size, params, **options):
         labels = [OFF_WITH_HEAD if head_kept else format_setting(shape) for shape, head_kept in settings]
-        return [Result(batch_size, label, 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, speeds[label], 0.0) for label in labels]
+        return [Result(batch_size, label, 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, speeds[label], 0.0, 1.0)
+                for label in labels]
 
     monkeypatch.setattr(bench, "run_settings", measured)
     main(["--random-weights", "--arch", "tiny", "--input-len", "8", "--output-len", "3", "--trees", "3,1,4", "2,2,4",
@@ -56,7 +60,7 @@ def test_json_keeps_the_batch_sizes_measured_before_a_failure(monkeypatch, tmp_p
     def measured(target, head, settings, prompts, new_tokens, batch_size, params, **options):
         if batch_size == 4:
             raise RuntimeError("CUDA out of memory")
-        return [Result(batch_size, format_setting(shape), 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, 100.0, 0.0)
+        return [Result(batch_size, format_setting(shape), 1.0, 1.0, 0.1, 0.8, 0.1, 0.1, 1.0, 100.0, 0.0, 1.0)
                 for shape, _ in settings]
 
     monkeypatch.setattr(bench, "run_settings", measured)
@@ -287,3 +291,20 @@ def test_an_interleaved_settings_peak_memory_is_its_own_and_goes_with_its_engine
     after_alone = held()
     assert peaks(2) == pytest.approx(alone, rel=0.05)
     assert held() - after_alone < 8 * 2**20
+
+
+def test_the_served_step_times_overlapping_decode_steps_and_no_prefill(monkeypatch):
+    """Between its two syncs run only decode steps, unprofiled (so each is queued while the last runs)."""
+    target = random_target("tiny", torch.float32, "cpu")
+    engine = warm_engine(target, random_head(target), TreeShape(2, 2, 4), [[1, 2, 3]] * 2, 6, 2)
+    events = []
+    monkeypatch.setattr(bench, "_sync", lambda device: events.append("sync"))
+    for name in ("_prefill", "_launch_decode"):
+        method = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, _m=method, _n=name, **kw: events.append(
+            (_n, engine.profile)) or _m(*a, **kw))
+    ms = bench._served_step_ms(engine, [[5, 6, 7, 8], [9, 10]], 6, bench.GREEDY)
+    first, last = events.index("sync"), len(events) - 1
+    assert ms > 0 and events[last] == "sync" and events.count("sync") == 2
+    assert set(events[:first]) == {("_prefill", False)}
+    assert events[first + 1:last] == [("_launch_decode", False)] * engine.decode_steps and engine.decode_steps >= 5
