@@ -315,9 +315,9 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 
 
 def _weight_and_scale(weight: Tensor, quantized: Fp8Weight | None) -> tuple[Tensor, Tensor]:
-    """What the linear kernels read: the float8 copy and its scales, or the weight (and the weight again as an unused
-    scale pointer)."""
-    return (quantized.values, quantized.scale) if quantized is not None else (weight, weight)
+    """What the linear kernels read: the float8 copy's bits (as int8, which `_e4m3_values` turns into numbers) and
+    its scales, or the weight (and the weight again as an unused scale pointer)."""
+    return (quantized.values.view(torch.int8), quantized.scale) if quantized is not None else (weight, weight)
 
 
 def with_fp8(table: Fp8Weights) -> Kernels:
@@ -424,11 +424,11 @@ SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_spli
 def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     """How many programs share each of `tiles` tiles' K (`chunks` of BLOCK_K), from a sweep on an H200 (docs/perf.md).
     Converting float8 weights bounds a program, so narrow ones gain from more programs: four on up to 256 tiles (an
-    8B head's q/k/v, o, down and fc, 4 and 8 rows: 18-29% faster), two on up to 512 (its gate/up, 10%). In bf16
+    8B head's q/k/v, o, down and fc, 4 and 8 rows: 18-29% faster); its gate/up (448 tiles) is fastest unsplit. In bf16
     only a long K over few tiles gains (SmolLM2's down, 576 x 1536: 2.9 against 4.4 µs with six); elsewhere the
     sums' round trip costs more than the extra programs give."""
     if float8:
-        splits = max(1, min(4, 1024 // tiles, chunks))
+        splits = min(4, chunks) if tiles <= 256 else 1
     else:
         splits = min(6, chunks // 2) if tiles <= 32 and chunks >= 8 else 1
     return equal_runs(chunks, splits)
@@ -460,8 +460,9 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
-    float8 and each output column is scaled by its row's scale_ptr entry (`serve/fp8.py`): the products of x and
-    the float8 values are exact in the dot's fp32, and so is the power-of-two scale.
+    a float8 copy's bits (`_e4m3_values`) and each output column is scaled by its row's scale_ptr entry
+    (`serve/fp8.py`): the products of x and the float8 values are exact in the dot's fp32, and so are the
+    power-of-two scales.
 
     With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
     partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
@@ -484,14 +485,14 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
     follow(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
-    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL)
+    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE, SILU_MUL)
     for start in range(begin + BLOCK_K, end, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < end)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
-        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL)
+        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE, SILU_MUL)
     if SPLITS == 1:
         _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE, SILU_MUL)
     else:
@@ -520,14 +521,14 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, 
                    HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr):
     """`_rows_matmul_kernel`'s end: the sums acc (acc_up) [BLOCK_M, BLOCK_N] of output columns n scaled, biased,
     through SiLU·mul, and stored."""
+    dtype = out_ptr.dtype.element_ty
     if HAS_SCALE:
-        acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :]
+        acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :] * _e4m3_unscale(dtype)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
     if SILU_MUL:
         if HAS_SCALE:
-            acc_up *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)[None, :]
+            acc_up *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)[None, :] * _e4m3_unscale(dtype)
         if HAS_BIAS:
             acc_up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         gate = acc.to(dtype).to(tl.float32)
@@ -537,15 +538,48 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, 
 
 
 @jit
-def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, SILU_MUL: tl.constexpr):
+def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K] (columns from `end` on masked): acc
-    [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up), float8
-    ones converted to x's dtype (exactly)."""
+    [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up). With
+    HAS_SCALE they are float8 bits, made x's dtype by `_e4m3_values` and x scaled to match (`_e4m3_x`), exactly."""
     x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    if HAS_SCALE:
+        w, x = _e4m3_values(w, x.dtype), _e4m3_x(x)
+    acc = tl.dot(x, tl.trans(w), acc)
     if SILU_MUL:
-        acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
+        acc_up = tl.dot(x, tl.trans(_e4m3_values(w_up, x.dtype) if HAS_SCALE else w_up), acc_up)
     return acc, acc_up
+
+
+@jit
+def _e4m3_values(bits, dtype: tl.constexpr):
+    """Float8 e4m3 bits (int8) -> their values in `dtype` (bf16 or fp16) times 2^-(dtype's exponent bias - 7),
+    exactly: the sign, exponent and mantissa bits shifted into dtype's fields and the rest masked off (e4m3's 4
+    exponent bits are the low ones of dtype's field, so its subnormals and zero stay so). Integer ops at full rate,
+    where the conversion instructions (e4m3 -> fp16 -> bf16) run at a quarter: few-rows matmuls 2-9% faster at
+    Llama-3.1-8B's shapes (docs/perf.md). The factor, 2^-120 in bf16 and 2^-8 in fp16, comes back in `_e4m3_x` and
+    `_e4m3_unscale`."""
+    if dtype == tl.bfloat16:
+        return ((bits.to(tl.int16) << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0
+    else:
+        return ((bits.to(tl.int16) << 7) & -0x4080).to(tl.float16, bitcast=True)  # mask 0xBF80
+
+
+@jit
+def _e4m3_x(x):
+    """The input that multiplies `_e4m3_values` of x's dtype: in bf16 x · 2^64, so that a product, 2^-56 of its value,
+    stays a normal fp32 number for any value above 2^-70 (whether the tensor cores keep subnormal sums is not
+    counted on); fp16's factor needs nothing."""
+    if x.dtype == tl.float16:
+        return x
+    else:
+        return x * 18446744073709551616.0  # 2^64
+
+
+@jit
+def _e4m3_unscale(dtype: tl.constexpr):
+    """What sums of products of `_e4m3_values` (of `dtype`) and `_e4m3_x` are multiplied by: 2^56, fp16's 2^8."""
+    return 256.0 if dtype == tl.float16 else 72057594037927936.0
 
 
 def launch_config(N: int, K: int) -> tuple[int, int, int]:
@@ -572,7 +606,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
     q/k/v 3 µs at the 8B shape, docs/perf.md.) The norm is folded out of the sum: y = rstd *
     sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
     reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
-    below the output's own rounding.) With HAS_SCALE, w is float8 and each output is scaled by its row's
+    below the output's own rounding.) With HAS_SCALE, w is float8 bits and each output is scaled by its row's
     scale_ptr entry (`serve/fp8.py`)."""
     program = tl.program_id(0)
     n = program * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -589,7 +623,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SILU_MUL only
     squares = tl.zeros([BLOCK_K], tl.float32)  # HAS_NORM only
     acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, k, K, dtype,
-                                         HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+                                         HAS_RESIDUAL, HAS_NORM, HAS_SCALE, SILU_MUL)
     for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < K)[None, :]
@@ -597,7 +631,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
         if SILU_MUL:
             w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
         acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K,
-                                             dtype, HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+                                             dtype, HAS_RESIDUAL, HAS_NORM, HAS_SCALE, SILU_MUL)
     y = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_SCALE:
         y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
@@ -629,8 +663,10 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
 
 @jit
 def _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, dtype: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr):
-    """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]."""
+                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  SILU_MUL: tl.constexpr):
+    """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]
+    (float8 bits with HAS_SCALE)."""
     k_ok = kk < K
     a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
     if HAS_RESIDUAL:
@@ -638,6 +674,8 @@ def _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk,
     if HAS_NORM:
         squares += a * a
         a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_SCALE:  # here the conversion instructions are faster than `_e4m3_values` (docs/perf.md)
+        w, w_up = w.to(tl.float8e4nv, bitcast=True), w_up.to(tl.float8e4nv, bitcast=True)
     acc += w.to(tl.float32) * a[None, :]
     if SILU_MUL:
         acc_up += w_up.to(tl.float32) * a[None, :]
