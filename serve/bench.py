@@ -9,17 +9,17 @@ prompts (`--num-prompts`, batch size at a time) and reports: τ (tokens per veri
 decode step split into draft / verify / accept (KV moves, draft extension, bookkeeping) and the host time a decode step
 spends outside those three (scheduling, block tables, input copies), all timed one step at a time, and the time the
 first batch's prompts took to prefill (at batch 1, one prompt: tokens/s pays it once a prompt); the decode step as
-served ("served": that batch again, each step queued while the last runs, no syncs, the prefill left out), which the
-"x off" column and the weight-streaming floor line compare; output tokens/s over the
-whole run (prefill included; after an untimed run of the same work, which compiles the kernels), where steps overlap
-that host time unless `--disable-overlap`; with `--repeats N` the median of N timed runs, taken in rounds across the
-batch size's settings, and their spread; and the speedup over speculation off at the same batch size. With `--autotune`
-each batch size also runs "off+head", speculation off as an autotuned serve-eagle runs it where its setting is off: the
-head loaded, extended over the prompts at their prefill (decode steps leave it behind: `Engine._catch_up_drafts`). The
-autotune picks each batch size's fastest of the trees and off+head (not the head-less "off", which such a server cannot
-run). `--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf` times
-Hugging Face `generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step
-costs are what such a run measures.
+served ("served": that batch again, each step queued while the last runs, no syncs, the prefill left out), which the "x
+off" column and the weight-streaming floor line compare; output tokens/s over the whole run (prefill included; after an
+untimed run of the same work, which compiles the kernels), where steps overlap that host time unless
+`--disable-overlap`; with `--repeats N` the median of N timed runs, taken in rounds across the batch size's settings,
+and their spread; and the speedup over speculation off at the same batch size. With `--autotune` each batch size also
+runs "off+head", speculation off as an autotuned serve-eagle runs it where its setting is off: the head loaded, extended
+over the prompts at their prefill (decode steps leave it behind: `Engine._catch_up_drafts`). The autotune picks each
+batch size's fastest of the trees and off+head (not the head-less "off", which such a server cannot run).
+`--temperature` samples instead of decoding greedily (`--top-p`, `--top-k` filter it). `--compare-hf` times Hugging Face
+`generate` on the batch-1 prompts. With random weights τ is meaningless (the draft guesses at random); step costs are
+what such a run measures.
 """
 
 from __future__ import annotations
@@ -418,9 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"{r.batch_size:>5} {r.setting:>9} {r.tau:>5.2f} {r.step_ms:>8.2f} {r.draft_ms:>7.2f} "
               f"{r.verify_ms:>7.2f} {r.accept_ms:>7.2f} {r.host_ms:>6.2f} {r.prefill_ms:>7.2f} {r.served_ms:>7.2f} "
-              f"{r.step_vs_off:>6.2f} "
-              f"{r.tokens_per_s:>8.1f} {f'{r.spread:.1%}' if len(r.tokens_per_s_runs) > 1 else '-':>6} "
-              f"{r.speedup:>7.2f} {r.peak_gib:>8.1f}")
+              f"{r.step_vs_off:>6.2f} {r.tokens_per_s:>8.1f} "
+              f"{f'{r.spread:.1%}' if len(r.tokens_per_s_runs) > 1 else '-':>6} {r.speedup:>7.2f} {r.peak_gib:>8.1f}")
     if args.device.startswith("cuda"):
         served = target.model.layers[0].mlp.kernels.linear
         floors = {"cuBLAS": weight_streaming_floor_ms(target)}
@@ -429,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         floor = min(floors.values())  # the stricter
         off = next(r for r in results if r.batch_size == 1 and r.setting == "off") if 1 in args.batch_sizes else None
         ratio = (f"; speculation off at batch 1, a step as served: {off.served_ms:.2f} ms ({off.served_ms / floor:.2f}x"
-                 f"; its phase timed alone {off.step_ms:.2f} ms, {off.step_ms / floor:.2f}x)" if off else "")
+                 f"; timed between syncs {off.step_ms:.2f} ms, {off.step_ms / floor:.2f}x)" if off else "")
         each = ", ".join(f"{name} {ms:.2f} ms" for name, ms in floors.items())
         print(f"weight-streaming floor (linear layers alone, CUDA graph; {each}): {floor:.2f} ms{ratio}")
     if args.autotune:  # what the server can run: the trees, and off with the head kept
