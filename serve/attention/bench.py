@@ -60,10 +60,15 @@ def heads(arch: str) -> Heads:
     return Heads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
 
+def row_blocks(prefix: int, W: int, block_size: int) -> int:
+    """The KV blocks a row of `prefix` cached tokens and a window of W takes."""
+    return -(-(prefix + W) // block_size)
+
+
 def make_view(h: Heads, B: int, T: int, W: int, prefix: int, block_size: int):
     """Every row at `prefix` cached tokens, in randomly placed blocks; the window's queries see every earlier
     window key (causal: a chain for verify and draft, which costs the same as a tree)."""
-    blocks = -(-(prefix + W) // block_size)
+    blocks = row_blocks(prefix, W, block_size)
     pool = KVPool(1, B * blocks, block_size, h.kv, h.dim, DTYPE, "cuda")
     pool.k[0].normal_()
     pool.v[0].normal_()
@@ -81,7 +86,7 @@ def launch_resources(h: Heads, B: int, T: int, W: int, prefix: int, block_size: 
     from . import triton_paged
 
     meta = torch.device("meta")
-    blocks = -(-(prefix + W) // block_size)
+    blocks = row_blocks(prefix, W, block_size)
     cache = torch.empty(B * blocks * block_size, h.kv, h.dim, dtype=DTYPE, device=meta)
     splits = triton_paged.launch_config(B, T * (h.q // h.kv), h.kv, blocks * block_size, sms)[2]
     launches = hopper_compile.recorded_launches(lambda: triton_paged.paged_attention(
