@@ -315,9 +315,9 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, resid
 
 
 def _weight_and_scale(weight: Tensor, quantized: Fp8Weight | None) -> tuple[Tensor, Tensor]:
-    """What the linear kernels read: the float8 copy's bits (as int8, which `_e4m3_values` turns into numbers) and
-    its scales, or the weight (and the weight again as an unused scale pointer)."""
-    return (quantized.values.view(torch.int8), quantized.scale) if quantized is not None else (weight, weight)
+    """What the linear kernels read: the float8 copy and its scales, or the weight (and the weight again as an unused
+    scale pointer)."""
+    return (quantized.values, quantized.scale) if quantized is not None else (weight, weight)
 
 
 def with_fp8(table: Fp8Weights) -> Kernels:
@@ -460,7 +460,7 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
-    a float8 copy's bits (`_e4m3_values`) and each output column is scaled by its row's scale_ptr entry
+    a float8 copy (made x's dtype by `_e4m3_values`) and each output column is scaled by its row's scale_ptr entry
     (`serve/fp8.py`): the products of x and the float8 values are exact in the dot's fp32, and so are the
     power-of-two scales.
 
@@ -541,7 +541,7 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, 
 def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K] (columns from `end` on masked): acc
     [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up). With
-    HAS_SCALE they are float8 bits, made x's dtype by `_e4m3_values` and x scaled to match (`_e4m3_x`), exactly."""
+    HAS_SCALE they are float8, made x's dtype by `_e4m3_values` and x scaled to match (`_e4m3_x`), exactly."""
     x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
     if HAS_SCALE:
         w, x = _e4m3_values(w, x.dtype), _e4m3_x(x)
@@ -552,17 +552,18 @@ def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE: tl.const
 
 
 @jit
-def _e4m3_values(bits, dtype: tl.constexpr):
-    """Float8 e4m3 bits (int8) -> their values in `dtype` (bf16 or fp16) times 2^-(dtype's exponent bias - 7),
+def _e4m3_values(w, dtype: tl.constexpr):
+    """Float8 e4m3 values -> the same in `dtype` (bf16 or fp16) times 2^-(dtype's exponent bias - 7),
     exactly: the sign, exponent and mantissa bits shifted into dtype's fields and the rest masked off (e4m3's 4
     exponent bits are the low ones of dtype's field, so its subnormals and zero stay so). Integer ops at full rate,
     where the conversion instructions (e4m3 -> fp16 -> bf16) run at a quarter: few-rows matmuls 2-9% faster at
     Llama-3.1-8B's shapes (docs/perf.md). The factor, 2^-120 in bf16 and 2^-8 in fp16, comes back in `_e4m3_x` and
     `_e4m3_unscale`."""
+    bits = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: the sign lands on dtype's after the shift
     if dtype == tl.bfloat16:
-        return ((bits.to(tl.int16) << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0
+        return ((bits << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0
     else:
-        return ((bits.to(tl.int16) << 7) & -0x4080).to(tl.float16, bitcast=True)  # mask 0xBF80
+        return ((bits << 7) & -0x4080).to(tl.float16, bitcast=True)  # mask 0xBF80
 
 
 @jit
@@ -606,7 +607,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
     q/k/v 3 µs at the 8B shape, docs/perf.md.) The norm is folded out of the sum: y = rstd *
     sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
     reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
-    below the output's own rounding.) With HAS_SCALE, w is float8 bits and each output is scaled by its row's
+    below the output's own rounding.) With HAS_SCALE, w is float8 and each output is scaled by its row's
     scale_ptr entry (`serve/fp8.py`)."""
     program = tl.program_id(0)
     n = program * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -623,7 +624,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SILU_MUL only
     squares = tl.zeros([BLOCK_K], tl.float32)  # HAS_NORM only
     acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, k, K, dtype,
-                                         HAS_RESIDUAL, HAS_NORM, HAS_SCALE, SILU_MUL)
+                                         HAS_RESIDUAL, HAS_NORM, SILU_MUL)
     for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < K)[None, :]
@@ -631,7 +632,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
         if SILU_MUL:
             w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
         acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K,
-                                             dtype, HAS_RESIDUAL, HAS_NORM, HAS_SCALE, SILU_MUL)
+                                             dtype, HAS_RESIDUAL, HAS_NORM, SILU_MUL)
     y = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_SCALE:
         y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
@@ -663,10 +664,9 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
 
 @jit
 def _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, dtype: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  SILU_MUL: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr):
     """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]
-    (float8 bits with HAS_SCALE)."""
+    (float8 ones converted by the conversion instructions, here faster than `_e4m3_values`: docs/perf.md)."""
     k_ok = kk < K
     a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
     if HAS_RESIDUAL:
@@ -674,8 +674,6 @@ def _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk,
     if HAS_NORM:
         squares += a * a
         a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    if HAS_SCALE:  # here the conversion instructions are faster than `_e4m3_values` (docs/perf.md)
-        w, w_up = w.to(tl.float8e4nv, bitcast=True), w_up.to(tl.float8e4nv, bitcast=True)
     acc += w.to(tl.float32) * a[None, :]
     if SILU_MUL:
         acc_up += w_up.to(tl.float32) * a[None, :]
