@@ -335,7 +335,10 @@ def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
-ROWS_MAX_WEIGHT = 1 << 24  # larger weights: cuBLAS, as fast or faster there (docs/perf.md)
+# Larger weights go to cuBLAS. Per call this kernel ties it on an 8B target's q/k/v and down at 8 rows, but in place
+# the two made an 8B verification 0.6-0.7 ms slower (q/k/v alone: 0.06 ms faster; docs/perf.md, twenty-fourth and
+# thirty-first entries).
+ROWS_MAX_WEIGHT = 1 << 24
 # Float8 copies are read past one row up to ROWS_FP8_MAX rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
 # (every weight of an 8B head): there they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs,
 # the fc 22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
