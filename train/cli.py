@@ -25,7 +25,6 @@ import torch.distributed as dist
 from eyas.common.config import ConfigError
 
 from .config import load_recipe
-from .trainer import dump, train
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--output is required (except with --dump-hidden-states)")
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        from .trainer import dump, train  # DeepSpeed and the models: seconds that --help and a bad recipe need not pay
         if args.dump_hidden_states:
             dump(recipe)
         else:
