@@ -2,9 +2,10 @@
 
 `build_ir` runs the compiler's front end, whose checks the CPU interpreter does not make (a loop that re-binds a name
 to a block of another shape runs under the interpreter and compiles nowhere). `resources` compiles all the way to a
-cubin and reads what a thread of the kernel takes: registers, and stack for the values that did not fit in them.
-Both take a `Launch`: `launch_spec` makes one from a kernel launch's arguments, and `recorded_launches` records those
-that Python code makes, on meta tensors, instead of running them.
+cubin and reads what a thread of the kernel takes: registers, and stack for the values that did not fit in them
+(`compile_launch` gives the whole compiled kernel). All take a `Launch`: `launch_spec` makes one from a kernel
+launch's arguments, specialized as the GPU's launcher specializes them, and `recorded_launches` records those that
+Python code makes, on meta tensors, instead of running them.
 
     launches = recorded_launches(lambda: kernels.fused_linear(x, weight, ...))   # x, weight on the meta device
     [resources(launch) for launch in launches]                                  # [Resources(registers, stack)]
@@ -25,25 +26,38 @@ class Launch(NamedTuple):
     module: str
     kernel: str  # its name in `module`
     signature: tuple  # (argument, Triton type: "*bf16", "i32", "fp32", "constexpr", ...) in order
-    constexprs: tuple  # (argument, value) of the constexpr ones
+    constexprs: tuple  # (argument, value) of the constexpr ones, and of integer arguments equal to 1
+    aligned: tuple  # the pointer arguments 16-byte aligned and the integer ones divisible by 16
     options: tuple  # (option, value): num_warps, num_stages
 
 
 def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
     """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, with
-    programmatic dependent launch on (PDL, as served on Hopper) where the kernel takes it."""
-    from triton.runtime.jit import mangle_type  # the launcher's own typing: "*bf16", "i32", "fp32", "constexpr"
+    programmatic dependent launch on (PDL, as served on Hopper) where the kernel takes it, and specialized as
+    Triton's launcher specializes it: an integer 1 becomes a constant, and aligned pointers and integers divisible
+    by 16 are marked so, which is what lets the compiler vectorize a load and pipeline it through shared memory
+    (without the marks the compiled kernel is another one: no copies in flight, other registers). A meta tensor's
+    pointer counts as aligned, as a fresh allocation on a GPU is."""
+    from triton._C.libtriton import native_specialize_impl  # the launcher's own specialization
+    from triton.backends.compiler import BaseBackend
 
     bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
     constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
-    signature, constexprs = [], []
+    signature, constexprs, aligned = [], [], []
     for name in arg_names:
         value = bound[name]
-        signature.append((name, "constexpr" if name in constexpr else mangle_type(value)))
-        if signature[-1][1] == "constexpr":
+        if name in constexpr:
+            signature.append((name, "constexpr"))
             constexprs.append((name, True if name == "PDL" else value))
+            continue
+        kind, mark = native_specialize_impl(BaseBackend, value, False, True, True)  # ("i32", "D"), ("constexpr", 1)
+        signature.append((name, kind))
+        if kind == "constexpr":
+            constexprs.append((name, mark))
+        elif mark == "D":
+            aligned.append(name)
     options = tuple((k, kwargs[k]) for k in ("num_warps", "num_stages") if k in kwargs)
-    return Launch(fn.__module__, fn.__qualname__, tuple(signature), tuple(constexprs), options)
+    return Launch(fn.__module__, fn.__qualname__, tuple(signature), tuple(constexprs), tuple(aligned), options)
 
 
 def recorded_launches(call: Callable[[], object], module=None) -> set[Launch]:
@@ -82,10 +96,12 @@ def _compiled(launch: Launch):
     from triton.compiler.compiler import make_backend
 
     kernel = getattr(importlib.import_module(launch.module), launch.kernel)
-    source = ASTSource(kernel, dict(launch.signature),
-                       {(kernel.arg_names.index(k),): v for k, v in launch.constexprs})
     target = GPUTarget("cuda", 90, 32)
-    return source, target, make_backend(target)
+    backend = make_backend(target)
+    index = kernel.arg_names.index
+    source = ASTSource(kernel, dict(launch.signature), {(index(k),): v for k, v in launch.constexprs},
+                       {(index(k),): backend.parse_attr("D") for k in launch.aligned})
+    return source, target, backend
 
 
 def build_ir(launch: Launch) -> None:
@@ -106,13 +122,20 @@ class Resources(NamedTuple):
     stack: int  # bytes of a thread's stack frame: the values spilled from registers when they run out
 
 
+def compile_launch(launch: Launch):
+    """`launch` compiled for sm_90: Triton's compiled kernel (its `asm` holds "ttgir", "ptx", "cubin", ...)."""
+    import triton
+
+    source, target, _ = _compiled(launch)
+    return triton.compile(source, target=target, options=dict(launch.options))
+
+
 def resources(launch: Launch) -> Resources:
     """Compiles `launch` for sm_90 and reads its registers and stack from the cubin (with the cuobjdump that the
     triton wheel carries beside ptxas)."""
     import triton
 
-    source, target, _ = _compiled(launch)
-    compiled = triton.compile(source, target=target, options=dict(launch.options))
+    compiled = compile_launch(launch)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

@@ -18,8 +18,8 @@ docs/perf.md, launches within 1 µs of cuBLAS a call made verification half a mi
 launch that wins here is then measured in `bench-eagle`'s steps.
 
 With `--resources` nothing runs and no GPU is needed: each launch is compiled for sm_90 (`hopper_compile`) and the
-table gives a thread's registers and the bytes of stack its spilled values take, served launch first. A launch at
-the register cap (255) that spills is slow for it (docs/perf.md, twenty-seventh entry).
+table gives a thread's registers and the bytes of stack its spilled values take, served launch first: the kernel
+the GPU's launcher would build (aligned pointers and sizes divisible by 16 marked so), by this machine's Triton.
 
     python -m eyas.serve.linear_bench --arch smollm2-135m --rows 64 --block-k 64 128 --warps 4 8 --resources
 """

@@ -13,8 +13,8 @@ its window once per row tile, so there it is a lower bound).
 
 With `--resources` nothing runs: each case's Triton launches (split-KV as on a GPU of `--sms` SMs) are compiled for
 sm_90 (`eyas.serve.hopper_compile`) and a thread's registers and stack bytes printed, the attention kernel also at
-each of `--warps`. Spilled values (stack) live in local memory; whether that costs is for the GPU to say (at 4 warps
-every 8B case spills 152-704 bytes, and 8 warps, spilling none, were no faster: docs/perf.md, twenty-eighth entry).
+each of `--warps`. Spilled values (stack) live in local memory; whether that costs is for the GPU to say (none of
+the served launches spills: docs/perf.md, thirty-first entry).
 """
 
 from __future__ import annotations

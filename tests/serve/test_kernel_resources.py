@@ -1,10 +1,11 @@
 """The linear kernels as served at SmolLM2's and Llama-3.1-8B's shapes keep their values in registers: compiled for
 sm_90 on the CPU (`eyas.serve.hopper_compile`), no launch spills more than a few values to the stack.
 
-A kernel that runs out of registers keeps values in local memory, which costs far more than the work it saves: the
-add and RMSNorm folded into the few-rows matmul (9e48114) took 2.7-3.0 KB of stack a thread at 48 and 64 rows and
-made a SmolLM2 verification 1.47 against 1.02 ms (docs/perf.md, twenty-seventh entry). The launches are those that
-`fused_linear` makes, with its own dispatch (one row, a few rows, float8 copies), recorded on meta tensors.
+A kernel that runs out of registers keeps values in local memory, which can cost more than the work it saves (the
+add and RMSNorm folded into the few-rows matmul, 9e48114, took 244-254 registers a thread at 48 and 64 rows, against
+78-106 as served, and made a SmolLM2 verification 1.47 against 1.02 ms: docs/perf.md, twenty-seventh and
+thirty-first entries). The launches are those that `fused_linear` makes, with its own dispatch (one row, a few rows,
+float8 copies), recorded on meta tensors and specialized as the GPU's launcher specializes them.
 """
 
 import pytest
@@ -16,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed (the fused kernels
 from eyas.serve import hopper_compile, kernels  # noqa: E402  (needs triton)
 from eyas.serve.linear_bench import meta_operands, weight_shapes  # noqa: E402
 
-STACK_MAX = 64  # bytes a thread: a few spilled values (the served gate/up takes 24 at 48 and 64 rows)
+STACK_MAX = 64  # bytes a thread: a few spilled values (no served launch spills any)
 NORMED = ("qkv", "gate_up")  # the linears after a layer's add and RMSNorm
 
 
@@ -51,3 +52,18 @@ def test_served_linear_launches_do_not_spill(arch, rows, float8):
         used = hopper_compile.resources(launch)
         assert used.stack <= STACK_MAX, (f"{launch.kernel} spills {used.stack} bytes a thread ({used.registers} "
                                          f"registers) at {rows} rows of {arch}: {dict(launch.constexprs)}")
+
+
+def test_launches_compile_as_the_gpu_launcher_specializes_them():
+    """Aligned pointers and integers divisible by 16 carry Triton's divisibility mark, as the GPU launcher gives it,
+    and an integer 1 is a constant. Without the marks the compiler neither vectorizes the few-rows matmul's loads nor
+    pipelines them through shared memory (no cp.async), and a thread's registers and stack were another kernel's:
+    the served 64-row launch at the register cap, the paged attention spilling, where neither is (docs/perf.md,
+    thirty-first entry)."""
+    x, weight, _ = meta_operands(6144, 4096, 8, False)
+    (launch,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+    assert {"x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_x"} <= set(launch.aligned)
+    assert "M" not in launch.aligned and dict(launch.signature)["M"] == "i32"  # 8 rows: not a multiple of 16
+    assert "cp.async" in hopper_compile.compile_launch(launch).asm["ptx"]
+    (one_row,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x[:1], weight))
+    assert dict(one_row.constexprs)["M"] == 1
