@@ -34,12 +34,11 @@ class Launch(NamedTuple):
 def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
     """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, with
     programmatic dependent launch on (PDL, as served on Hopper) where the kernel takes it, and specialized as
-    Triton's launcher specializes it: an integer 1 becomes a constant, and aligned pointers and integers divisible
-    by 16 are marked so, which is what lets the compiler vectorize a load and pipeline it through shared memory
-    (without the marks the compiled kernel is another one: no copies in flight, other registers). A meta tensor's
-    pointer counts as aligned, as a fresh allocation on a GPU is."""
-    from triton._C.libtriton import native_specialize_impl  # the launcher's own specialization
-    from triton.backends.compiler import BaseBackend
+    Triton's launcher specializes it: an integer 1 becomes a constant, and pointers aligned to 16 bytes and integers
+    divisible by 16 are marked so, which is what lets the compiler vectorize a load and pipeline it through shared
+    memory (without the marks the compiled kernel is another one: no copies in flight, other registers). A meta
+    tensor's pointer counts as aligned, as a fresh allocation on a GPU is."""
+    from triton.runtime.jit import mangle_type  # the launcher's own typing: "*bf16", "i32", "fp32", "constexpr"
 
     bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
     constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
@@ -49,13 +48,14 @@ def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
         if name in constexpr:
             signature.append((name, "constexpr"))
             constexprs.append((name, True if name == "PDL" else value))
-            continue
-        kind, mark = native_specialize_impl(BaseBackend, value, False, True, True)  # ("i32", "D"), ("constexpr", 1)
-        signature.append((name, kind))
-        if kind == "constexpr":
-            constexprs.append((name, mark))
-        elif mark == "D":
-            aligned.append(name)
+        elif isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            signature.append((name, "constexpr"))
+            constexprs.append((name, 1))
+        else:
+            signature.append((name, mangle_type(value)))
+            address = value.data_ptr() if hasattr(value, "data_ptr") else value
+            if isinstance(address, int) and not isinstance(address, bool) and address % 16 == 0:
+                aligned.append(name)
     options = tuple((k, kwargs[k]) for k in ("num_warps", "num_stages") if k in kwargs)
     return Launch(fn.__module__, fn.__qualname__, tuple(signature), tuple(constexprs), tuple(aligned), options)
 
