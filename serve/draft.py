@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from eyas.common.attention import causal_mask
@@ -126,26 +125,28 @@ class Drafter:
         top_log_probs = self.kernels.top_log_probs
         builder = TreeBuilder(roots, k, self.kernels)
         tokens = builder.first(*top_log_probs(logits, k))  # [B, k] draft indices
-        hidden = hidden[:, None].expand(B, k, -1)  # parents' outputs [B, k, H]
+        outputs, rows = hidden[:, None], None  # the frontier's parents' outputs: [B, R, H] and each node's row
         # Drafted node j (in drafting order) keeps its KV at position n + j; pass d drafts nodes k(d-1) .. kd-1, at
         # draft position n - 1 + d. Looked up once for all passes: slots [B, scratch], rotary tables [B, num_steps - 1,
         # D] of pass d at column d - 1.
         prefix = lengths.to(torch.int32)
-        nodes = torch.arange(shape.scratch, device=roots.device)
-        slots = slots_of(table, lengths[:, None] + nodes, self.pool.block_size)
-        cos, sin = self.rope(lengths[:, None] + torch.arange(shape.num_steps - 1, device=roots.device))
+        slots = slots_of(table, lengths[:, None] + _offsets(shape.scratch, roots.device), self.pool.block_size)
+        cos, sin = self.rope(lengths[:, None] + _offsets(shape.num_steps - 1, roots.device))
         for depth in range(1, shape.num_steps):
             # The window is the nodes drafted so far; the frontier (the last k) sees its drafted ancestors.
             attn = self.attention(self.pool, table, prefix, builder.frontier.ancestors,
                                   new_slots=slots[:, k * (depth - 1) : k * depth])
             rope = tuple(x[:, depth - 1, None].expand(B, k, -1) for x in (cos, sin))  # the frontier's position
-            embeds = F.embedding(tokens, self.draft_embeddings)
-            out = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
-            tokens = builder.extend(*top_log_probs(self.head.logits(out), k))
-            if k > 1:  # a chain's one node is its frontier (a gather of row 0: 5.5 µs a pass at 8B)
-                hidden = out.gather(1, builder.frontier.rows[:, :, None].expand(-1, -1, out.shape[-1]))
-            else:
-                hidden = out
+            embeds, hidden = self.kernels.frontier_inputs(tokens, self.draft_embeddings, outputs, rows)  # [B, k, H]
+            outputs = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
+            tokens = builder.extend(*top_log_probs(self.head.logits(outputs), k))
+            rows = builder.frontier.rows
         tree = builder.finalize(shape.num_draft_tokens)
         tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
         return tokens, tree.parents, tree.depth, tree.mask
+
+
+@functools.cache
+def _offsets(n: int, device: torch.device) -> Tensor:
+    """torch.arange(n) on `device`: the same every draft, so made once (a launch less each). Nothing writes it."""
+    return torch.arange(n, device=device)

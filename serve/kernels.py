@@ -3,12 +3,11 @@
 SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it fused in, a
 few-rows matmul for small weights with SiLU·mul in its epilogue and K split over programs where its output columns
 are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made them (`--draft-fp8`,
-`fp8.py`); and for speculation, the draft's
-top-k log-probs, the draft tree's bookkeeping (each pass's next frontier, the final tree), verification's walks down
-the tree, greedy and sampled, and for the sampled one the target's probabilities and their sums (`softmax`,
-`row_sum`: a row over many programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a
-search in place of a sort); after verification, the draft's inputs along each accepted path and the move of its KV
-(`path_inputs`, `move_path`).
+`fp8.py`); and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping (each pass's next
+frontier and its inputs, the final tree), verification's walks down the tree, greedy and sampled, and for the
+sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a row over many programs) and the
+least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place of a sort); after
+verification, the draft's inputs along each accepted path and the move of its KV (`path_inputs`, `move_path`).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -19,12 +18,12 @@ rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum 
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
-attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree) and the target pass's graph
-`verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums), and its accept phase `ACCEPT`,
-in place of their torch references (`serve.tree`, `serve.verify`, `serve.sampling`, `serve.accept`), which they
-equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor shapes only and
-never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device; on Hopper and later,
-with programmatic dependent launch (`launch_options`).
+attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree, a pass's inputs) and the target
+pass's graph `verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums), and its accept
+phase `ACCEPT`, in place of their torch references (`serve.tree`, `serve.verify`, `serve.sampling`, `serve.accept`),
+which they equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor
+shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device; on
+Hopper and later, with programmatic dependent launch (`launch_options`).
 """
 
 from __future__ import annotations
@@ -1109,6 +1108,40 @@ def _grow_frontier_kernel(frontier_ptr, frontier_scores_ptr, ancestors_ptr, chil
     tl.store(new_row + P + c[None, :], c[None, :] == at[:, None], mask=copy)
 
 
+def frontier_inputs(tokens: Tensor, embeddings: Tensor, outputs: Tensor, rows: Tensor | None
+                    ) -> tuple[Tensor, Tensor]:
+    """`eyas.serve.tree.frontier_inputs` in one launch (torch's embedding lookup and gather are two, and its lookup
+    of a few rows takes 3-5 µs on an H200): program (node, chunk) copies a chunk of the node's embedding row and
+    of its parent's output row."""
+    B, k = tokens.shape
+    H = outputs.shape[-1]
+    device = tokens.device
+    embeds = torch.empty(B, k, H, dtype=embeddings.dtype, device=device)
+    parents = torch.empty(B, k, H, dtype=outputs.dtype, device=device)
+    tokens, embeddings = tokens.contiguous(), embeddings.contiguous()
+    outputs = outputs if outputs.stride(-1) == 1 else outputs.contiguous()
+    _frontier_inputs_kernel[(B * k, triton.cdiv(H, COPY_BLOCK))](
+        tokens, embeddings, outputs, tokens if rows is None else rows.contiguous(), embeds, parents, k, H,
+        *outputs.stride()[:2], HAS_ROWS=rows is not None, BLOCK=COPY_BLOCK, **launch_options(device),
+    )
+    return embeds, parents
+
+
+@jit
+def _frontier_inputs_kernel(tokens_ptr, embeddings_ptr, outputs_ptr, rows_ptr, embeds_ptr, parents_ptr, K, H,
+                            stride_ob, stride_or, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow(PDL)
+    node = tl.program_id(0).to(tl.int64)  # b * K + j
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < H
+    token = tl.load(tokens_ptr + node)
+    tl.store(embeds_ptr + node * H + i, tl.load(embeddings_ptr + token * H + i, mask=ok), mask=ok)
+    parent = outputs_ptr + (node // K) * stride_ob
+    if HAS_ROWS:
+        parent += tl.load(rows_ptr + node) * stride_or
+    tl.store(parents_ptr + node * H + i, tl.load(parent + i, mask=ok), mask=ok)
+
+
 def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_tokens: int, max_depth: int
                 ) -> tree.DraftTree:
     """`eyas.serve.tree.select_tree` in one launch (torch takes about forty kernels: two sorts, the re-indexing
@@ -1171,7 +1204,7 @@ def _select_tree_kernel(tokens_ptr, scores_ptr, parents_ptr, new_index_ptr, out_
     tl.store(depth_ptr + row * n + r, depth, mask=r_ok)
 
 
-PATH_BLOCK = 1024  # columns of the target's hidden ‖ aux row a program of `path_inputs` copies
+COPY_BLOCK = 1024  # columns of a row a program of `path_inputs` or `frontier_inputs` copies
 
 
 def path_inputs(path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tensor, hidden: Tensor,
@@ -1187,10 +1220,10 @@ def path_inputs(path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tenso
     aux_rows = None if aux is None else torch.empty(B, T, A, dtype=aux.dtype, device=device)
     path, tokens, hidden = (x.contiguous() for x in (path, tokens, hidden))
     aux = hidden if aux is None else aux.contiguous()  # A = 0: never read
-    _path_inputs_kernel[(B * T, triton.cdiv(H + A, PATH_BLOCK))](
+    _path_inputs_kernel[(B * T, triton.cdiv(H + A, COPY_BLOCK))](
         path, num_accepted, bonus, tokens, hidden, aux, n, table, next_tokens, positions, slots, hidden_rows,
         hidden_rows if aux_rows is None else aux_rows, N, T, H, A, table.stride(0), BLOCK_SIZE=block_size,
-        BLOCK=PATH_BLOCK, **launch_options(device),
+        BLOCK=COPY_BLOCK, **launch_options(device),
     )
     return accept.PathInputs(next_tokens, positions, slots, TargetOutput(hidden=hidden_rows, aux=aux_rows))
 
@@ -1257,7 +1290,7 @@ def _slot(table_row_ptr, position, BLOCK_SIZE: tl.constexpr):
 
 
 ACCEPT = accept.AcceptKernels(path_inputs, move_path)
-DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree)
+DRAFT = tree.DraftKernels(top_log_probs, grow_frontier, select_tree, frontier_inputs)
 PROBS = ProbsKernels(softmax, nucleus_floor, row_sum)
 
 FUSED = Kernels(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, linear=fused_linear, norm_cat=norm_cat)

@@ -25,8 +25,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -102,6 +104,18 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_token
                      scores=scores.gather(1, keep))
 
 
+def frontier_inputs(tokens: Tensor, embeddings: Tensor, outputs: Tensor, rows: Tensor | None
+                    ) -> tuple[Tensor, Tensor]:
+    """A draft pass's inputs for its frontier: the tokens [B, k] (draft indices) -> their embeddings [B, k, H], rows
+    of `embeddings` [Vd, H], and each node's parent output [B, k, H], outputs[b, rows[b, j]] of outputs [B, R, H]
+    (the last pass's outputs; rows None: every node's is outputs[b, 0], the extension's output before the first
+    pass). The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.frontier_inputs`."""
+    B, k = tokens.shape
+    parents = outputs[:, :1].expand(B, k, -1) if rows is None else outputs.gather(
+        1, rows[:, :, None].expand(-1, -1, outputs.shape[-1]))
+    return F.embedding(tokens, embeddings), parents
+
+
 @dataclass(frozen=True)
 class DraftKernels:
     """What drafting a tree computes besides the head: torch references here, fused kernels on CUDA
@@ -110,6 +124,7 @@ class DraftKernels:
     top_log_probs: Callable[[Tensor, int], tuple[Tensor, Tensor]] = top_log_probs
     grow_frontier: Callable[[Frontier, Tensor, Tensor, int], tuple[Tensor, Tensor, Frontier]] = grow_frontier
     select_tree: Callable[[Tensor, Tensor, Tensor, int, int], DraftTree] = select_tree
+    frontier_inputs: Callable[[Tensor, Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor]] = frontier_inputs
 
 
 class TreeBuilder:
@@ -129,10 +144,11 @@ class TreeBuilder:
     def __init__(self, root_tokens: Tensor, topk: int, kernels: DraftKernels = DraftKernels()):
         B, device = root_tokens.shape[0], root_tokens.device
         self.k, self.kernels = topk, kernels
+        self._constants = _pool_constants(B, topk, device)
         # Candidate pool, in creation order; candidate 0 is the root (never dropped, score +inf).
         self.tokens = [root_tokens[:, None]]  # list of [B, n]
-        self.scores = [torch.full((B, 1), float("inf"), device=device)]
-        self.parents = [torch.full((B, 1), -1, dtype=torch.long, device=device)]
+        self.scores = [self._constants.root_score]
+        self.parents = [self._constants.root_parent]
         self.frontier: Frontier | None = None
         self.depth = 0
 
@@ -149,12 +165,11 @@ class TreeBuilder:
 
     def first(self, scores: Tensor, tokens: Tensor) -> Tensor:
         """The root's top-k children, their log-probs and tokens [B, k] -> the depth-1 frontier tokens [B, k]."""
-        B, k = tokens.shape
+        assert tokens.shape[1] == self.k and self.size == 1, "first() takes the root's k children, once"
         self.depth = 1
-        nodes = torch.arange(self.size, self.size + k, device=tokens.device).expand(B, k)
-        self._add(tokens, scores, torch.zeros_like(tokens))
-        itself = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(B, k, k)
-        self.frontier = Frontier(nodes, scores, tokens, None, itself)
+        constants = self._constants
+        self._add(tokens, scores, constants.first_parents)
+        self.frontier = Frontier(constants.first_nodes, scores, tokens, None, constants.first_ancestors)
         return tokens
 
     def extend(self, child_scores: Tensor, child_tokens: Tensor) -> Tensor:
@@ -169,6 +184,28 @@ class TreeBuilder:
         """Keeps the root and the best `num_draft_tokens - 1` candidates; re-indexes parents."""
         return self.kernels.select_tree(torch.cat(self.tokens, 1), torch.cat(self.scores, 1),
                                         torch.cat(self.parents, 1), num_draft_tokens, self.depth)
+
+
+class PoolConstants(NamedTuple):
+    """What every draft's candidate pool starts from: the root's score (+inf) and parent (-1) [B, 1]; the first
+    frontier's candidate indices 1 .. k and parents (the root) [B, k], and its ancestor mask, each node itself
+    [B, k, k]."""
+
+    root_score: Tensor
+    root_parent: Tensor
+    first_nodes: Tensor
+    first_parents: Tensor
+    first_ancestors: Tensor
+
+
+@functools.cache
+def _pool_constants(B: int, k: int, device: torch.device) -> PoolConstants:
+    """The same every draft, so made once (five launches less a draft). Nothing writes them."""
+    return PoolConstants(torch.full((B, 1), float("inf"), device=device),
+                         torch.full((B, 1), -1, dtype=torch.long, device=device),
+                         torch.arange(1, k + 1, device=device).expand(B, k),
+                         torch.zeros(B, k, dtype=torch.long, device=device),
+                         torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k))
 
 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:

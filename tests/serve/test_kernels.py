@@ -325,6 +325,20 @@ def check_tree_builder(device, B, k, steps, n, ties=False, impl=kernels.DRAFT):
         assert a.dtype == b.dtype and torch.equal(a, b), field.name
 
 
+def check_frontier_inputs(device, B, k, V, H, first, impl=kernels.frontier_inputs):
+    """Random frontier tokens and parent rows (before the first pass: every node's parent is the extension's one
+    output row): the kernel's embeddings and parent outputs equal the torch reference's, and their dtypes."""
+    gen = torch.Generator().manual_seed(B * 100 + k * 10 + first)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tokens = torch.randint(0, V, (B, k), generator=gen).to(device)
+    embeddings = torch.randn(V, H, generator=gen).to(device, dtype)
+    outputs = torch.randn(B, 1 if first else k, H, generator=gen).to(device, dtype)
+    rows = None if first else torch.randint(0, k, (B, k), generator=gen).to(device)
+    for ours, theirs in zip(impl(tokens, embeddings, outputs, rows),
+                            tree.frontier_inputs(tokens, embeddings, outputs, rows), strict=True):
+        assert ours.shape == theirs.shape == (B, k, H) and ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
 def random_paths(B, N, T, gen):
     """Accepted paths as verification gives them: [B, N] rising node indices from the root (node 0), then -1; and
     num_accepted [B], from 0 to T - 1. Row 0 accepts the most, its nodes packed from node 2 on where they fit, so
@@ -586,6 +600,14 @@ def test_tree_builder_cuda(case, ties):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 8, 32000, 4096, True), (1, 4, 32000, 4096, False), (64, 8, 49152, 576, False),
+                                  (4, 1, 128256, 4096, False), (3, 10, 1000, 1500, True)],
+                         ids=lambda c: "B{}-k{}-V{}-H{}-first{}".format(*c))
+def test_frontier_inputs_cuda(case):
+    check_frontier_inputs("cuda", *case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 8, 6, 4096, 3 * 4096), (1, 48, 7, 576, 3 * 576), (64, 8, 6, 4096, 0),
                                   (8, 64, 9, 576, 3 * 576), (3, 2, 2, 100, 300), (4, 1, 1, 576, 3 * 576)],
                          ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))
@@ -801,6 +823,12 @@ def test_tree_builder_interpreter(interpreter, case, ties):
     interpreter(check_tree_builder, "cpu", *case, ties)
 
 
+@pytest.mark.parametrize("case", [(2, 4, 50, 40, True), (3, 3, 70, 1500, False), (2, 1, 9, 7, False)],
+                         ids=lambda c: "B{}-k{}-V{}-H{}-first{}".format(*c))  # one column chunk, two; a chain
+def test_frontier_inputs_interpreter(interpreter, case):
+    interpreter(check_frontier_inputs, "cpu", *case)
+
+
 @pytest.mark.parametrize("case", [(3, 8, 6, 40, 120), (2, 12, 7, 1500, 0), (1, 2, 2, 3, 5), (2, 1, 1, 40, 120)],
                          ids=lambda c: "B{}-N{}-T{}-H{}-A{}".format(*c))  # one column chunk, two; one row; no path
 def test_path_inputs_interpreter(interpreter, case):
@@ -905,6 +933,10 @@ def _rows_split_finished_early(x, weight, bias=None, **extra):
         counters.zero_()
 
 
+def _frontier_parents_of_row_zero(tokens, embeddings, outputs, rows):
+    return kernels.frontier_inputs(tokens, embeddings, outputs, None)
+
+
 def _path_a_position_late(path, num_accepted, bonus, tokens, hidden, aux, n, table, block_size, T):
     return kernels.path_inputs(path, num_accepted, bonus, tokens, hidden, aux, n + 1, table, block_size, T)
 
@@ -934,13 +966,15 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_row_sum, ("cpu", 3, 5000, _row_sum_short_of_the_last)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(select_tree=_walk_short))),
+    (check_frontier_inputs, ("cpu", 3, 4, 50, 40, False, _frontier_parents_of_row_zero)),
     (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
     (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
 ], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "rows-silu-of-up",
         "linear-of-x-alone", "linear-ignoring-fp8", "rows-fp8-scales-rolled", "rows-split-finished-early",
         "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
         "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
-        "frontier-forgets-ancestors", "tree-walk-short", "path-a-position-late", "move-one-short"])
+        "frontier-forgets-ancestors", "tree-walk-short", "frontier-parents-of-row-zero", "path-a-position-late",
+        "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):
@@ -966,7 +1000,7 @@ def test_every_kernel_waits_for_the_one_before():
 
     launched = {name: fn for module in (kernels, triton_paged) for name, fn in vars(module).items()
                 if isinstance(fn, JITFunction) and name.endswith("_kernel")}
-    assert len(launched) == 20
+    assert len(launched) == 21
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
