@@ -68,11 +68,10 @@ class EagleLayer(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size)
         self.index = index
 
-    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionMetadata
-                ) -> tuple[Tensor, Tensor]:
-        """The residual stream as a pair, as in the target's `DecoderLayer`."""
-        x, residual = self.self_attn(x, cos, sin, attn, self.index, norm=self.input_layernorm, residual=residual)
-        return self.mlp(x, norm=self.post_attention_layernorm, residual=residual)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
+        """The residual stream x [B, T, H] in and out, as in the target's `DecoderLayer`."""
+        x = self.self_attn(x, cos, sin, attn, self.index, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class EagleHead(nn.Module):
@@ -122,11 +121,11 @@ class EagleHead(nn.Module):
              attn: AttentionMetadata) -> Tensor:
         """embeds, features [B, T, H]; positions [B, T] (or their `rotary` tables) -> output [B, T, H], the next
         step's features."""
-        x, residual = self.kernels.linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias), None
+        x = self.kernels.linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
         cos, sin = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
-        return x + residual
+            x = layer(x, cos, sin, attn)
+        return x
 
     def logits(self, out: Tensor) -> Tensor:
         """out [B, T, H] -> logits over the draft vocabulary [B, T, draft_vocab]."""

@@ -162,9 +162,8 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata) -> Tensor:
         x = self.kernels.norm_cat(embeds, hidden, self.input_layernorm.spec, self.hidden_norm.spec)  # [B, T, 2H]
         residual = x[..., hidden.shape[-1]:] if self.norm_before_residual else hidden
-        a, _ = self.self_attn(x, cos, sin, attn, 0)
-        h, r = self.mlp(a, norm=self.post_attention_layernorm, residual=residual)  # r = residual + a
-        return r + h
+        r = self.self_attn(x, cos, sin, attn, 0, residual=residual)  # residual + a
+        return self.mlp(r, norm=self.post_attention_layernorm, residual=r)
 
 
 class Eagle3Head(nn.Module):

@@ -18,29 +18,12 @@ from .attention import AttentionMetadata
 from .config import RopeConfig
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """x [..., dim] -> norm(x). With `residual` (x's shape) -> (norm(s), s) for the residual stream s = x + residual
-    (vLLM's pairs: a sublayer's output travels beside the stream, and the next norm adds them)."""
-    if residual is not None:
-        x = x + residual
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x [..., dim] -> norm(x); weight None is a unit weight (one folded into the next projection: `fold_norm`)."""
     # Normalise in fp32, scale in the input dtype (as every Llama-family reference does).
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    normed = weight * x32.to(x.dtype)
-    return normed if residual is None else (normed, x)
-
-
-def add_norm(x: Tensor, residual: Tensor | None, norm: tuple[Tensor, float] | None, kernel: Callable = rms_norm
-             ) -> tuple[Tensor, Tensor]:
-    """(norm(s), s) for the residual stream s = x + residual entering a sublayer: x alone where residual is None
-    (the first layer), s itself where norm is None. `norm`: an RMSNorm's (weight, eps); `kernel`: its `rms_norm`
-    (the fused one adds and normalises in one launch)."""
-    if norm is None:
-        stream = x if residual is None else x + residual
-        return stream, stream
-    if residual is None:
-        return kernel(x, *norm), x
-    return kernel(x, *norm, residual)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
 
 
 def norm_cat(a: Tensor, b: Tensor, norm_a: tuple[Tensor, float], norm_b: tuple[Tensor, float]) -> Tensor:
@@ -60,18 +43,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-                 norm: tuple[Tensor, float] | None = None, silu_mul_output: bool = False):
-    """epilogue(linear(norm(x + residual))): a sublayer's input projection with what comes before and after it, one
-    kernel where fused (at one token, `eyas.serve.kernels.fused_linear`). `residual`: the residual stream to add
-    first, which makes the result the pair (y, x + residual); `norm`: an RMSNorm's (weight, eps);
-    `silu_mul_output`: SiLU·mul of the output's two halves (a joint gate/up projection). x [..., K], weight [N, K]
-    -> y [..., N] ([..., N / 2] with silu_mul_output)."""
-    normed, stream = add_norm(x, residual, norm)
-    y = F.linear(normed, weight, bias)
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                 norm: tuple[Tensor | None, float] | None = None, silu_mul_output: bool = False,
+                 residual: Tensor | None = None, donate_residual: bool = False) -> Tensor:
+    """residual + epilogue(linear(norm(x))): a projection with what comes before and after it, one kernel where
+    fused (at one token, `eyas.serve.kernels.fused_linear`). `norm`: an RMSNorm's (weight, eps) applied to x first;
+    `silu_mul_output`: SiLU·mul of the output's two halves (a joint gate/up projection); `residual`: the residual
+    stream the output is added to (a sublayer's output projection), which with `donate_residual` the caller gives
+    up, so that a kernel may write the sum into it. x [..., K], weight [N, K], residual [..., N] -> [..., N]
+    ([..., N / 2] with silu_mul_output)."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    y = F.linear(x, weight, bias)
     if silu_mul_output:
         y = silu_mul(*y.chunk(2, dim=-1))
-    return y if residual is None else (y, stream)
+    return y if residual is None else residual + y
 
 
 @dataclass(frozen=True)
@@ -103,30 +89,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     @property
-    def spec(self) -> tuple[Tensor, float]:
-        """(weight, eps): the form `rms_norm`, `add_norm` and the fused kernels take a norm in."""
+    def spec(self) -> tuple[Tensor | None, float]:
+        """(weight, eps): the form `rms_norm` and the fused kernels take a norm in (weight None once folded)."""
         return self.weight, self.eps
 
-    def forward(self, x: Tensor, residual: Tensor | None = None):
-        """x [..., dim] -> norm(x); with `residual`, the pair (norm(x + residual), x + residual) (`rms_norm`)."""
-        return self.kernels.rms_norm(x, *self.spec, residual)
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., dim] -> norm(x) (`rms_norm`)."""
+        return self.kernels.rms_norm(x, *self.spec)
 
 
-def sublayer_input(x: Tensor, norm: RMSNorm | None, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    """`add_norm` with an RMSNorm module and its kernels: (norm(s), s)."""
-    if norm is None:
-        return add_norm(x, residual, None)
-    return add_norm(x, residual, norm.spec, norm.kernels.rms_norm)
+def norm_spec(norm: RMSNorm | None) -> tuple[Tensor | None, float] | None:
+    """`RMSNorm.spec`, or None without a norm: `Kernels.linear`'s `norm`."""
+    return None if norm is None else norm.spec
 
 
-def project_input(kernels: Kernels, x: Tensor, proj: nn.Linear, norm: RMSNorm | None, residual: Tensor | None,
-                  **epilogue) -> tuple[Tensor, Tensor]:
-    """`sublayer_input` and the sublayer's joint input projection in one `Kernels.linear`: (epilogue(proj(norm(s))),
-    s)."""
-    prologue = {} if norm is None else {"norm": norm.spec}
-    if residual is None:
-        return kernels.linear(x, proj.weight, proj.bias, **prologue, **epilogue), x
-    return kernels.linear(x, proj.weight, proj.bias, residual=residual, **prologue, **epilogue)
+@torch.no_grad()
+def fold_norm(norm: RMSNorm, proj: nn.Linear) -> None:
+    """Inference: `norm`'s weight g multiplied into the input columns of `proj`, the one projection it feeds
+    (W' = W · diag(g), rounded once to W's dtype), the norm keeping its eps and a unit weight (None). What is left of
+    the norm is then a per-row scale, 1 / RMS(x), which commutes with the matmul: the served kernels can scale the
+    product of the stream itself (cuBLAS's) where a separate launch would otherwise normalise it first. The rounding
+    moves greedy bf16 text no further from fp32 than bf16 itself does (docs/perf.md, thirty-second entry).
+    Idempotent."""
+    if norm.weight is not None:
+        proj.weight.mul_(norm.weight)  # computed in fp32 (torch's half-type arithmetic), no fp32 copy of W
+        norm.weight = None
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> Tensor:
@@ -202,17 +189,17 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int, *,
-                norm: RMSNorm | None = None, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x [B, T, in_features] -> (attention(norm(s)) [B, T, hidden], s) for the residual stream s = x + residual
-        (`sublayer_input`). The add and the norm go into the q/k/v projection's kernel (`Kernels.linear`); the
-        caller adds the output to s in the next one."""
+                norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
+        """x [B, T, in_features] -> residual + attention(norm(x)) [B, T, hidden] (without `residual`, the attention
+        alone). The norm goes into the q/k/v projection's kernel, the add into the output projection's
+        (`Kernels.linear`)."""
         B, T, _ = x.shape
         if self.qkv_proj is not None:
-            qkv, stream = project_input(self.kernels, x, self.qkv_proj, norm, residual)
+            qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, norm=norm_spec(norm))
             kv = self.num_kv_heads * self.head_dim
             q, k, v = qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         else:
-            x, stream = sublayer_input(x, norm, residual)
+            x = x if norm is None else norm(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -220,7 +207,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = attn.attend_rotary(layer, q, k, v, cos, sin, self.kernels.rotary)  # [B, T, Hq, D]
-        return self.kernels.linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias), stream
+        return self.kernels.linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, residual=residual)
 
 
 class MLP(nn.Module):
@@ -233,15 +220,17 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections`
 
-    def forward(self, x: Tensor, *, norm: RMSNorm | None = None, residual: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        """x [..., hidden] -> (mlp(norm(s)), s) for the residual stream s = x + residual, as `Attention.forward`."""
+    def forward(self, x: Tensor, *, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
+        """x [..., hidden] -> residual + mlp(norm(x)), as `Attention.forward`. The caller gives `residual` up: the
+        sum may be written into it (in place of a copy, where cuBLAS adds)."""
         if self.gate_up_proj is not None:
-            h, stream = project_input(self.kernels, x, self.gate_up_proj, norm, residual, silu_mul_output=True)
+            h = self.kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, norm=norm_spec(norm),
+                                    silu_mul_output=True)
         else:
-            x, stream = sublayer_input(x, norm, residual)
+            x = x if norm is None else norm(x)
             h = self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return self.kernels.linear(h, self.down_proj.weight, self.down_proj.bias), stream
+        return self.kernels.linear(h, self.down_proj.weight, self.down_proj.bias, residual=residual,
+                                   donate_residual=True)
 
 
 def _joint_linear(parts: list[nn.Linear]) -> nn.Linear:

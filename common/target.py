@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .attention import AttentionMetadata
 from .config import TargetConfig
-from .layers import MLP, Attention, RMSNorm, Rotary
+from .layers import MLP, Attention, RMSNorm, Rotary, fold_norm
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -43,12 +43,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
-                layer: int) -> tuple[Tensor, Tensor]:
-        """The residual stream enters as the pair (x, residual), whose sum it is (x alone in the first layer), and
-        leaves as one: each sublayer adds the pair in its first kernel (`Attention.forward`)."""
-        x, residual = self.self_attn(x, cos, sin, attn, layer, norm=self.input_layernorm, residual=residual)
-        return self.mlp(x, norm=self.post_attention_layernorm, residual=residual)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata, layer: int) -> Tensor:
+        """The residual stream x [B, T, H] -> the stream leaving the layer: each sublayer's output projection adds
+        its output to the stream in its kernel (`Attention.forward`)."""
+        x = self.self_attn(x, cos, sin, attn, layer, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
+
+    def fold_norms(self) -> None:
+        """Inference, after `fuse_projections`: both norms' weights into the projections they feed (`fold_norm`)."""
+        fold_norm(self.input_layernorm, self.self_attn.qkv_proj)
+        fold_norm(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
 
 class DecoderStack(nn.Module):
@@ -93,16 +97,23 @@ class TargetModel(nn.Module):
     ) -> TargetOutput:
         """input_ids, positions [B, T] (or their `rotary` tables, the pair cos, sin [B, T, D]). `aux_layers`: capture
         the residual stream entering these layers (index L, the layer count, captures the final pre-norm stream)."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                captured[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, cos, sin, attn, i)
-        hidden, captured[len(self.model.layers)] = self.model.norm(x, residual)
+                captured[i] = x
+            x = layer(x, cos, sin, attn, i)
+        captured[len(self.model.layers)] = x
+        hidden = self.model.norm(x)
         aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return TargetOutput(hidden=hidden, aux=aux)
+
+    def fold_norms(self) -> None:
+        """Inference, after `fuse_projections`: each layer's norms folded into the projections they feed
+        (`fold_norm`). The final norm stays whole: the lm_head it feeds may be the embedding too."""
+        for layer in self.model.layers:
+            layer.fold_norms()
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (normed) -> logits [..., vocab]."""

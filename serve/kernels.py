@@ -1,13 +1,14 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
 (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
-SiLU·mul, a one-token linear layer with the residual add and RMSNorm before it and SiLU·mul after it fused in, a
-few-rows matmul for small weights with SiLU·mul in its epilogue and K split over programs where its output columns
-are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made them (`--draft-fp8`,
-`fp8.py`); and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping (each pass's next
-frontier and its inputs, the final tree), verification's walks down the tree, greedy and sampled, and for the
-sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a row over many programs) and the
-least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place of a sort); after
-verification, the draft's inputs along each accepted path and the move of its KV (`path_inputs`, `move_path`).
+SiLU·mul, a one-token linear layer with the RMSNorm before it and SiLU·mul and the residual stream's add after it
+fused in, a few-rows matmul for small weights with SiLU·mul and the add in its epilogue and K split over programs
+where its output columns are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made
+them (`--draft-fp8`, `fp8.py`); and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping
+(each pass's next frontier and its inputs, the final tree), verification's walks down the tree, greedy and
+sampled, and for the sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a row over many
+programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place of a sort);
+after verification, the draft's inputs along each accepted path and the move of its KV (`path_inputs`,
+`move_path`).
 
 Each replaces a chain of small torch kernels with one launch (RMSNorm alone is eight: cast, pow, mean, add,
 rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends much of its time on. Each
@@ -36,8 +37,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
+from torch.nn import functional as F
 
-from eyas.common.layers import Kernels, add_norm, use_kernels
+from eyas.common.layers import Kernels, use_kernels
 from eyas.common.target import TargetOutput
 
 from . import accept, tree
@@ -84,53 +86,47 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] -> norm(x) [..., N]. With
-    `residual` (x's shape): the pair (norm(s), s) for s = x + residual, rounded to their dtype as the reference's
-    add. Outputs are new contiguous tensors; the norm's dtype is the reference's (weight's and input's promoted)."""
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] (None: a unit weight, one
+    folded into the next projection) -> norm(x), a new contiguous tensor in the reference's dtype (weight's and
+    x's promoted)."""
     n = x.shape[-1]
     rows = _rows(x)
-    if residual is None:
-        res, stream = rows, None  # placeholders: without a residual the kernel neither reads res nor writes a sum
-    else:
-        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} for x {tuple(x.shape)}"
-        res = _rows(residual)
-        stream = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    in_dtype = x.dtype if stream is None else stream.dtype
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, in_dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, res, weight.contiguous(), out, out if stream is None else stream, rows.stride(0), res.stride(0), n,
-        eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
-        **launch_options(x.device),
+        rows, x if weight is None else weight.contiguous(), out, rows.stride(0), n, eps, HAS_WEIGHT=weight is not None,
+        BLOCK=block, num_warps=min(max(block // 512, 1), 16), **launch_options(x.device),
     )
-    return out if stream is None else (out, stream)
+    return out
 
 
 @jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stream_ptr, stride_x, stride_res, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, N, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(stream_ptr.dtype.element_ty)
-        tl.store(stream_ptr + row * N + cols, x, mask=ok)
-    _norm_row(x, w_ptr, out_ptr + row * N, N, eps, cols, ok)
+    _norm_row(x, w_ptr, out_ptr + row * N, N, eps, cols, ok, HAS_WEIGHT)
 
 
 @jit
-def _norm_row(x, w_ptr, out_ptr, N, eps, cols, ok):
-    """RMSNorm of one row x [BLOCK] (its N first entries) into out_ptr [N]."""
+def _norm_row(x, w_ptr, out_ptr, N, eps, cols, ok, HAS_WEIGHT: tl.constexpr):
+    """RMSNorm of one row x [BLOCK] (its N first entries) into out_ptr [N]; without HAS_WEIGHT a unit weight."""
     x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
-    normed = (x32 * rstd).to(x.dtype)  # the reference casts back to the input dtype before the weight
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    out = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+    normed = (x32 * _rstd(x32, N, eps)).to(x.dtype)  # the reference casts back to the input dtype before the weight
+    if HAS_WEIGHT:
+        normed = normed.to(tl.float32) * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, normed.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def _rstd(x32, N, eps):
+    """1 / RMS of a row x32 [BLOCK] fp32 whose first N entries are its values (the rest zeros)."""
+    return tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
 
 
 def norm_cat(a: Tensor, b: Tensor, norm_a: tuple[Tensor, float], norm_b: tuple[Tensor, float]) -> Tensor:
@@ -159,9 +155,11 @@ def _norm_cat_kernel(a_ptr, b_ptr, w_a_ptr, w_b_ptr, out_ptr, stride_a, stride_b
     ok = cols < N
     out = out_ptr + row * 2 * N
     if tl.program_id(1) == 0:
-        _norm_row(tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0), w_a_ptr, out, N, eps_a, cols, ok)
+        a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0)
+        _norm_row(a, w_a_ptr, out, N, eps_a, cols, ok, True)
     else:
-        _norm_row(tl.load(b_ptr + row * stride_b + cols, mask=ok, other=0.0), w_b_ptr, out + N, N, eps_b, cols, ok)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=ok, other=0.0)
+        _norm_row(b, w_b_ptr, out + N, N, eps_b, cols, ok, True)
 
 
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -257,60 +255,76 @@ def _rotate_heads(x_ptr, stride_h, out_ptr, H, c1, c2, s1, s2, d, d_ok, HALF: tl
     tl.store(out + HALF, out2.to(ty), mask=ok)
 
 
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+def silu_mul(gate: Tensor, up: Tensor, *, rms_of: Tensor | None = None, eps: float = 0.0) -> Tensor:
     """F.silu(gate) * up for two tensors of one shape [..., N] -> a new contiguous tensor in the reference's dtype.
-    Rows may be strided (the two halves of a joint gate/up projection's output are read in place)."""
+    Rows may be strided (the two halves of a joint gate/up projection's output are read in place). With `rms_of`
+    [..., K], the rows gate and up were projected from by a weight with an RMSNorm folded in (`fold_norm`): gate and
+    up are first scaled by their row's 1 / RMS (eps added), and rounded as the projection of the normed row is."""
     assert gate.shape == up.shape
     gate_rows, up_rows = _rows(gate), _rows(up)  # [rows, N] each
     rows, n = gate_rows.shape
+    stream = gate_rows if rms_of is None else _rows(rms_of)  # [rows, K]
+    assert stream.shape[0] == rows, f"{stream.shape[0]} rows to normalise {rows}"
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
-    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gate_rows, up_rows, out, n, gate_rows.stride(0),
-                                                    up_rows.stride(0), BLOCK=1024, **launch_options(gate.device))
+    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](
+        gate_rows, up_rows, stream, out, n, gate_rows.stride(0), up_rows.stride(0), stream.stride(0), stream.shape[1],
+        eps, SCALED=rms_of is not None, BLOCK=1024, BLOCK_K=triton.next_power_of_2(stream.shape[1]),
+        **launch_options(gate.device),
+    )
     return out
 
 
 @jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, stream_ptr, out_ptr, n, stride_gate, stride_up, stride_stream, K, eps,
+                     SCALED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
+    dtype = gate_ptr.dtype.element_ty
     g = tl.load(gate_ptr + row * stride_gate + i, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + i, mask=ok, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty)  # F.silu rounds to gate's dtype
+    if SCALED:
+        k = tl.arange(0, BLOCK_K)
+        rstd = _rstd(tl.load(stream_ptr + row * stride_stream + k, mask=k < K, other=0.0).to(tl.float32), K, eps)
+        g = (g * rstd).to(dtype).to(tl.float32)
+        up = (up * rstd).to(up_ptr.dtype.element_ty).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu rounds to gate's dtype
     tl.store(out_ptr + row * n + i, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-                 norm: tuple[Tensor, float] | None = None, silu_mul_output: bool = False,
-                 fp8: Fp8Weights | None = None):
-    """`eyas.common.layers.fused_linear`: epilogue(linear(norm(x + residual))), and with `residual` the pair (y,
-    x + residual); the RMSNorm with `norm` = (weight, eps), the epilogue SiLU·mul of the output's two halves with
-    `silu_mul_output`. Where `fp8` holds a float8 copy of `weight` (`serve/fp8.py`), the one-token and few-rows
-    kernels read that copy. x [..., K], weight [N, K] -> y [..., N] ([..., N / 2] with silu_mul_output)."""
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                 norm: tuple[Tensor | None, float] | None = None, silu_mul_output: bool = False,
+                 residual: Tensor | None = None, donate_residual: bool = False, fp8: Fp8Weights | None = None
+                 ) -> Tensor:
+    """`eyas.common.layers.fused_linear`: residual + epilogue(linear(norm(x))), the RMSNorm with `norm` = (weight or
+    None, eps), the epilogue SiLU·mul of the output's two halves with `silu_mul_output`, the residual stream added
+    with `residual` (by cuBLAS's matmul into it, where the caller donates it). Where `fp8` holds a float8 copy of
+    `weight` (`serve/fp8.py`), the one-token and few-rows kernels read that copy. x [..., K], weight [N, K] -> y
+    [..., N] ([..., N / 2] with silu_mul_output)."""
     assert not silu_mul_output or weight.shape[0] % 2 == 0, f"a joint gate/up weight of {weight.shape[0]} rows"
     quantized = fp8.get(weight) if fp8 is not None else None
     if (x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous()
             or (residual is not None and residual.dtype != x.dtype)):
-        return _composed(x, weight, bias, residual, norm, silu_mul_output, quantized)
+        return _composed(x, weight, bias, norm, silu_mul_output, residual, donate_residual, quantized)
     x = x.contiguous()
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
-    assert residual is None or residual.shape == x.shape, f"residual {tuple(residual.shape)} for x {tuple(x.shape)}"
     N_out = N // 2 if silu_mul_output else N
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
-    stream = None if residual is None else torch.empty_like(x)
+    assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
     block_n, block_k, num_warps = launch_config(N, K)
     block_n //= 2 if silu_mul_output else 1  # a program's outputs: it reads a gate row and an up row for each
+    norm_weight = norm[0] if norm is not None else None
     _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
-        x, residual.contiguous() if residual is not None else x, stream if stream is not None else x,
-        *_weight_and_scale(weight, quantized), bias if bias is not None else weight, norm[0] if norm else weight, out,
+        x, residual.contiguous() if residual is not None else x, *_weight_and_scale(weight, quantized),
+        bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, out,
         N_out, K, norm[1] if norm else 0.0,
-        HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, HAS_BIAS=bias is not None,
-        HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, **launch_options(x.device),
+        HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None, NORM_WEIGHT=norm_weight is not None,
+        HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, **launch_options(x.device),
     )
-    return out if stream is None else (out, stream)
+    return out
 
 
 def _weight_and_scale(weight: Tensor, quantized: Fp8Weight | None) -> tuple[Tensor, Tensor]:
@@ -325,12 +339,18 @@ def with_fp8(table: Fp8Weights) -> Kernels:
     return dataclasses.replace(FUSED, linear=functools.partial(fused_linear, fp8=table))
 
 
-def _composed(x, weight, bias, residual, norm, silu_mul_output, quantized):
-    """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the add and the RMSNorm before it in one
-    kernel; SiLU·mul in the matmul's epilogue (or after cuBLAS's)."""
-    normed, stream = add_norm(x, residual, norm, rms_norm)
-    y = rows_matmul(normed, weight, bias, silu_mul_output, quantized)
-    return y if residual is None else (y, stream)
+def _composed(x, weight, bias, norm, silu_mul_output, residual, donate_residual, quantized):
+    """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the RMSNorm before it in its own launch,
+    SiLU·mul and the residual add in the matmul's epilogue (or cuBLAS's). A folded norm (a unit weight, `fold_norm`)
+    before cuBLAS's matmul and SiLU·mul takes no launch: its 1 / RMS scales SiLU·mul's inputs (a per-row scale
+    commutes with the matmul)."""
+    takes_rows, _ = rows_operands(x, weight, quantized)
+    if (norm is not None and norm[0] is None and silu_mul_output and bias is None and residual is None
+            and not takes_rows):
+        return silu_mul(*F.linear(x, weight).chunk(2, dim=-1), rms_of=x, eps=norm[1])
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    return rows_matmul(x, weight, bias, silu_mul_output, quantized, residual, donate_residual)
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
@@ -347,20 +367,35 @@ ROWS_FP8_MIN_WEIGHT = 1 << 24
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
-                quantized: Fp8Weight | None = None) -> Tensor:
-    """F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a large one with a
-    float8 copy (`quantized`, which it then reads: ROWS_FP8_MAX), in `rows_kernel`; other inputs go to cuBLAS (and
-    `silu_mul`) with `weight`. x [..., K], weight [N, K] -> [..., N] ([..., N / 2] with silu_mul_output)."""
+                quantized: Fp8Weight | None = None, residual: Tensor | None = None, donate_residual: bool = False
+                ) -> Tensor:
+    """residual + F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a
+    large one with a float8 copy (`quantized`, which it then reads: ROWS_FP8_MAX), in `rows_kernel`; other inputs go
+    to cuBLAS (and `silu_mul`) with `weight`, which adds a donated residual in its matmul (beta = 1, in place).
+    x [..., K], weight [N, K], residual [..., N] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
+    takes_rows, quantized = rows_operands(x, weight, quantized)
+    if takes_rows:
+        return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual)
+    if residual is not None and donate_residual and bias is None and not silu_mul_output and residual.is_contiguous():
+        residual.view(-1, N).addmm_(x.reshape(-1, K), weight.t())
+        return residual
+    y = F.linear(x, weight, bias)
+    y = silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
+    return y if residual is None else residual + y
+
+
+def rows_operands(x: Tensor, weight: Tensor, quantized: Fp8Weight | None) -> tuple[bool, Fp8Weight | None]:
+    """Whether `rows_matmul` runs x [..., K] @ weight [N, K]ᵀ in `rows_kernel`, and the float8 copy that reads
+    (`quantized` where it reads one, else None)."""
+    N, K = weight.shape
     M = x.numel() // K
     if quantized is not None and not reads_fp8_rows(M, N, K):
         quantized = None
-    if not (2 <= M <= ROWS_MAX and (N * K <= ROWS_MAX_WEIGHT or quantized is not None)
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()):
-        y = torch.nn.functional.linear(x, weight, bias)
-        return silu_mul(*y.chunk(2, dim=-1)) if silu_mul_output else y
-    return rows_kernel(x, weight, bias, silu_mul_output, quantized)
+    takes = (2 <= M <= ROWS_MAX and (N * K <= ROWS_MAX_WEIGHT or quantized is not None)
+             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
+    return takes, quantized
 
 
 class RowsLaunch(NamedTuple):
@@ -383,13 +418,15 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
 
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
-                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None) -> Tensor:
+                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None
+                ) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
     benchmark sweeps them): tensor cores, in the programmatic dependent launches (cuBLAS's cannot join them), the
-    first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves in the epilogue
-    (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two), reading the float8
-    copy `quantized` where given. Weights of few output columns split K over several programs (`rows_splits`).
-    x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]."""
+    first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves (`silu_mul_output`, a
+    joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the
+    epilogue, reading the float8 copy `quantized` where given. Weights of few output columns split K over several
+    programs (`rows_splits`). x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to
+    ROWS_MAX; weight [N, K]; residual [..., N] (N / 2 with SiLU·mul)."""
     N, K = weight.shape
     rows = _rows(x)  # [M, K]
     M = len(rows)
@@ -400,15 +437,18 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     block_n, block_k, stages, warps, splits = launch
     tiles = triton.cdiv(N_out, block_n)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
+    assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
+    res = _rows(residual) if residual is not None else out  # [M, N_out]
     partials = counters = out  # unused pointers without a split
     if splits > 1:  # each program's sums [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
         assert tiles <= SPLIT_MAX_TILES, f"{tiles} tiles split, for {SPLIT_MAX_TILES} counters"
         partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     _rows_matmul_kernel[(tiles, splits)](
-        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, out, partials, counters,
-        M, N_out, K, rows.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output, SPLITS=splits,
+        rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, res, out, partials,
+        counters, M, N_out, K, rows.stride(0), res.stride(0),
+        HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
+        HAS_RESIDUAL=residual is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),
     )
@@ -455,16 +495,16 @@ def _split_counters(device: torch.device) -> Tensor:
 
 
 @jit
-def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_x,
-                        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
-                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K,
+                        stride_x, stride_res, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
     a float8 copy (made x's dtype by `_e4m3_values`) and each output column is scaled by its row's scale_ptr entry
     (`serve/fp8.py`): the products of x and the float8 values are exact in the dot's fp32, and so are the
-    power-of-two scales.
+    power-of-two scales. With HAS_RESIDUAL, out = res [M, N] + that, rounded as the reference's add.
 
     With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
     partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
@@ -485,6 +525,9 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
     w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
     w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok & SILU_MUL, other=0.0)
     follow(PDL)
+    res = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)  # HAS_RESIDUAL only: loaded before the loop, so
+    if HAS_RESIDUAL:  # that the epilogue does not wait on it (0.5 µs a call at 8 rows of an 8B target's o)
+        res = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
     acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE, SILU_MUL)
@@ -496,7 +539,8 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
         acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE, SILU_MUL)
     if SPLITS == 1:
-        _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE, SILU_MUL)
+        _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
+                       SILU_MUL, HAS_RESIDUAL)
     else:
         tile_sums = partials_ptr + (m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])  # [BLOCK_M, BLOCK_N]
         size = 2 * BLOCK_M * BLOCK_N  # one program's sums
@@ -514,15 +558,15 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr
                 if SILU_MUL:
                     acc_up += tl.load(sums + BLOCK_M * BLOCK_N, cache_modifier=".cg")
             tl.store(counters_ptr + tile, 0)
-            _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
-                           SILU_MUL)
+            _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
+                           SILU_MUL, HAS_RESIDUAL)
 
 
 @jit
-def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr):
+def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """`_rows_matmul_kernel`'s end: the sums acc (acc_up) [BLOCK_M, BLOCK_N] of output columns n scaled, biased,
-    through SiLU·mul, and stored."""
+    through SiLU·mul, added to the residual stream's tile res, and stored."""
     dtype = out_ptr.dtype.element_ty
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :] * _e4m3_unscale(dtype)
@@ -536,7 +580,10 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, m, n, m_ok, n_ok, 
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:
+        acc = acc.to(dtype).to(tl.float32) + res.to(tl.float32)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=ok)
 
 
 @jit
@@ -596,21 +643,19 @@ def launch_config(N: int, K: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr, out_ptr, N, K, eps,
-                         HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr, out_ptr, N, K, eps,
+                         HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row x [K] against BLOCK_N rows of w [N, K] (with SILU_MUL, w is [2N, K]: gate rows, then up rows, and the
     program reads BLOCK_N of each): products summed over K at the end ([BLOCK_N, BLOCK_K] fp32 partial sums, so
     each load's reduction does not wait on the last).
 
-    With HAS_RESIDUAL the input is the stream x + res [K], rounded as the reference's add: every program forms it
-    (the row is small and cached), and the first programs write it out at their end. (A store inside the loop cost
-    q/k/v 3 µs at the 8B shape, docs/perf.md.) The norm is folded out of the sum: y = rstd *
-    sum(w * x * norm_w), its mean square gathered in the same loop, so the weight loads start at once. (The
-    reference rounds the normed input to the input dtype twice; this rounds nothing before the sum, a difference
-    below the output's own rounding.) With HAS_SCALE, w is float8 and each output is scaled by its row's
-    scale_ptr entry (`serve/fp8.py`)."""
+    The norm is folded out of the sum: y = rstd * sum(w * x * norm_w) (norm_w 1 without NORM_WEIGHT), its mean
+    square gathered in the same loop, so the weight loads start at once. (The reference rounds the normed input to
+    the input dtype twice; this rounds nothing before the sum, a difference below the output's own rounding.) With
+    HAS_SCALE, w is float8 and each output is scaled by its row's scale_ptr entry (`serve/fp8.py`). With
+    HAS_RESIDUAL, out = res [N] + that, rounded as the reference's add."""
     program = tl.program_id(0)
     n = program * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -625,16 +670,16 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SILU_MUL only
     squares = tl.zeros([BLOCK_K], tl.float32)  # HAS_NORM only
-    acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, k, K, dtype,
-                                         HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+    acc, acc_up, squares = _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, k, K, HAS_NORM,
+                                         NORM_WEIGHT, SILU_MUL)
     for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < K)[None, :]
         w = tl.load(rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
-        acc, acc_up, squares = _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K,
-                                             dtype, HAS_RESIDUAL, HAS_NORM, SILU_MUL)
+        acc, acc_up, squares = _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, HAS_NORM,
+                                             NORM_WEIGHT, SILU_MUL)
     y = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_SCALE:
         y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
@@ -654,28 +699,22 @@ def _fused_linear_kernel(x_ptr, res_ptr, stream_ptr, w_ptr, scale_ptr, bias_ptr,
         gate = y.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = silu * up.to(dtype).to(tl.float32)
+    if HAS_RESIDUAL:
+        y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(dtype), mask=n_ok)
-    if HAS_RESIDUAL:  # the stream, BLOCK_K at a time over the first programs, after their own outputs
-        for start in range(program * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
-            kk = start + k
-            k_ok = kk < K
-            s = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32) + tl.load(res_ptr + kk, mask=k_ok,
-                                                                                     other=0.0).to(tl.float32)
-            tl.store(stream_ptr + kk, s.to(dtype), mask=k_ok)
 
 
 @jit
-def _linear_chunk(x_ptr, res_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, dtype: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+def _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, HAS_NORM: tl.constexpr,
+                  NORM_WEIGHT: tl.constexpr, SILU_MUL: tl.constexpr):
     """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]
     (float8 ones converted by the conversion instructions, here faster than `_e4m3_values`: docs/perf.md)."""
     k_ok = kk < K
     a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-    if HAS_RESIDUAL:
-        a = (a + tl.load(res_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
     if HAS_NORM:
         squares += a * a
-        a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM_WEIGHT:
+            a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     acc += w.to(tl.float32) * a[None, :]
     if SILU_MUL:
         acc_up += w_up.to(tl.float32) * a[None, :]

@@ -147,3 +147,32 @@ def test_fused_projections_give_the_same_outputs(family, hf_checkpoint):
     assert any("qkv_proj" in n for n in names) and any("gate_up_proj" in n for n in names)
     assert not any(p in n for n in names for p in (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_folded_norms_give_the_same_outputs(family, hf_checkpoint):
+    """Each layer's input and post-attention norm weights folded into the joint q/k/v and gate/up weights (what the
+    engine serves): the norms keep only their eps, the outputs are the model's (fp32, so up to its rounding), and
+    the aux streams too."""
+    from eyas.common.layers import fuse_projections
+
+    path, _ = hf_checkpoint(family)
+    model = TargetModel.from_pretrained(path)
+    with torch.no_grad():  # norm weights away from 1, so that a fold that drops them is seen
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(norm.weight)))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(9).expand(2, -1)
+    aux_layers = model.config.default_aux_layers
+    with torch.no_grad():
+        want = model(ids, pos, CausalAttention(), aux_layers=aux_layers)
+        fuse_projections(model)
+        model.fold_norms()
+        model.fold_norms()  # idempotent
+        got = model(ids, pos, CausalAttention(), aux_layers=aux_layers)
+    assert all(layer.input_layernorm.weight is None and layer.post_attention_layernorm.weight is None
+               for layer in model.model.layers)
+    assert model.model.norm.weight is not None  # the final norm stays whole
+    torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.aux, want.aux, rtol=1e-5, atol=1e-5)

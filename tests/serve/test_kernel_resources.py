@@ -9,7 +9,6 @@ float8 copies), recorded on meta tensors and specialized as the GPU's launcher s
 """
 
 import pytest
-import torch
 
 from eyas.serve.fp8 import Fp8Weights
 
@@ -18,7 +17,8 @@ from eyas.serve import hopper_compile, kernels  # noqa: E402  (needs triton)
 from eyas.serve.linear_bench import meta_operands, weight_shapes  # noqa: E402
 
 STACK_MAX = 64  # bytes a thread: a few spilled values (no served launch spills any)
-NORMED = ("qkv", "gate_up")  # the linears after a layer's add and RMSNorm
+NORMED = ("qkv", "gate_up")  # the linears after a layer's RMSNorm (folded into them, as served)
+ADDING = ("o", "down")  # the linears that add the residual stream
 
 
 def served_launches(arch: str, rows: int, float8: bool) -> set[hopper_compile.Launch]:
@@ -32,10 +32,9 @@ def served_launches(arch: str, rows: int, float8: bool) -> set[hopper_compile.La
             copies = Fp8Weights()
             if copy is not None:
                 copies.add(weight, copy)
-            normed = name in NORMED
-            kernels.fused_linear(x, weight, residual=torch.empty_like(x) if normed else None,
-                                 norm=(torch.empty_like(weight[0]), 1e-5) if normed else None,
-                                 silu_mul_output=silu, fp8=copies)
+            stream = x.new_empty(*x.shape[:-1], N) if name in ADDING else None
+            kernels.fused_linear(x, weight, norm=(None, 1e-5) if name in NORMED else None, silu_mul_output=silu,
+                                 residual=stream, donate_residual=name == "down", fp8=copies)
 
     return hopper_compile.recorded_launches(run_linears)
 

@@ -28,7 +28,6 @@ from eyas.common.attention import CausalAttention
 from eyas.common.config import RopeConfig
 from eyas.common.layers import (
     Kernels,
-    RMSNorm,
     Rotary,
     apply_rotary,
     fuse_projections,
@@ -64,21 +63,14 @@ def randn(*shape, dtype, device, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype=dtype, device=device)
 
 
-def check_rms_norm(device, dtype, rows, n, sliced=False, weight_dtype=None, residual=False, impl=kernels.rms_norm):
+def check_rms_norm(device, dtype, rows, n, sliced=False, weight_dtype=None, unit=False, impl=kernels.rms_norm):
     """x [rows, n] whose row scales span 1e-3..10 (eps matters in the smallest); `sliced`: x is a view with a row
-    stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one); `residual`: the pair
-    (norm(x + residual), x + residual), the sum exactly the reference's."""
+    stride of 2n; `weight_dtype`: a weight in another dtype (the output takes the promoted one); `unit`: no weight
+    (None: one folded into the next projection)."""
     scale = torch.logspace(-3, 1, rows)[:, None]
     x = randn(rows, 2 * n if sliced else n, dtype=dtype, device=device, seed=0, scale=scale)[:, :n]
-    norm = RMSNorm(n, EPS).to(device=device, dtype=weight_dtype or dtype)
-    res = randn(rows, n, dtype=dtype, device=device, seed=1, scale=scale) if residual else None
-    with torch.no_grad():
-        norm.weight.copy_(randn(n, dtype=norm.weight.dtype, device=device, seed=2, scale=0.1) + 1)
-        out, ref = impl(x, norm.weight, EPS, res), norm(x, res)  # vs the torch kernel, the layers' default
-    if residual:
-        (out, stream), (ref, ref_stream) = out, ref
-        assert stream.dtype == ref_stream.dtype and torch.equal(stream, ref_stream)
-    assert_matches(out, ref, dtype)
+    weight = None if unit else randn(n, dtype=weight_dtype or dtype, device=device, seed=2, scale=0.1) + 1
+    assert_matches(impl(x, weight, EPS), rms_norm(x, weight, EPS), dtype)
 
 
 def check_norm_cat(device, dtype, rows, n, strided=False, impl=kernels.norm_cat):
@@ -94,18 +86,21 @@ def check_norm_cat(device, dtype, rows, n, strided=False, impl=kernels.norm_cat)
 
 def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residual=False, fp8=False,
                        impl=kernels.fused_linear):
-    """epilogue(linear(norm(x + residual))) for x [rows, K] (row scales 1e-3..10 with `norm`) and weight [N, K]
-    scaled to keep outputs near 1; `silu`: SiLU·mul of the output's halves; `residual`: also the stream x + residual
-    returned, exactly the reference's; vs the torch reference. `fp8`: the weight rounded to float8 (`serve/fp8.py`),
-    the kernel reading the float8 copy; the reference the rounded weight in `dtype` (the same values)."""
+    """residual + epilogue(linear(norm(x))) for x [rows, K] (row scales 1e-3..10 with `norm`) and weight [N, K]
+    scaled to keep outputs near 1, vs the torch reference. `norm`: True, or "unit" (no weight: one folded into the
+    projection); `silu`: SiLU·mul of the output's halves; `residual`: a stream [rows, N] (N / 2 with SiLU·mul) added
+    to the output and left as it was, or "donated" (the caller gives it up: cuBLAS may add into it). `fp8`: the
+    weight rounded to float8 (`serve/fp8.py`), the kernel reading the float8 copy; the reference the rounded weight
+    in `dtype` (the same values)."""
     scale = torch.logspace(-3, 1, rows)[:, None] if norm else 4.0
     x = randn(rows, K, dtype=dtype, device=device, seed=0, scale=scale)
     weight = randn(N, K, dtype=dtype, device=device, seed=1, scale=K ** -0.5 * (4 if silu else 1))  # SiLU's tails
+    stream = randn(rows, N // 2 if silu else N, dtype=dtype, device=device, seed=4) if residual else None
     extra = dict(
         bias=randn(N, dtype=dtype, device=device, seed=2) if bias else None,
-        residual=randn(rows, K, dtype=dtype, device=device, seed=4, scale=scale) if residual else None,
-        norm=(randn(K, dtype=dtype, device=device, seed=3, scale=0.1) + 1, EPS) if norm else None,
-        silu_mul_output=silu,
+        norm=(None if norm == "unit" else randn(K, dtype=dtype, device=device, seed=3, scale=0.1) + 1, EPS)
+        if norm else None,
+        silu_mul_output=silu, residual=stream, donate_residual=residual == "donated",
     )
     if fp8:
         copy = quantize(weight)
@@ -113,9 +108,17 @@ def check_fused_linear(device, dtype, rows, N, K, norm, silu, bias=False, residu
         if rows == 1 or kernels.reads_fp8_rows(rows, N, K):  # where the kernels read the float8 copy: with
             # the copy's values zeroed, the output is a zero weight's
             zeroed = _fp8_table(weight, Fp8Weight(torch.zeros_like(copy.values), copy.scale))
-            assert_linear_matches(x, torch.zeros_like(weight), impl(x, weight, **extra, fp8=zeroed), extra, dtype)
+            out = impl(x, weight, **_given(extra), fp8=zeroed)
+            assert_linear_matches(x, torch.zeros_like(weight), out, extra, dtype)
         impl = functools.partial(impl, fp8=_fp8_table(weight, copy))
-    assert_linear_matches(x, weight, impl(x, weight, **extra), extra, dtype)
+    assert_linear_matches(x, weight, impl(x, weight, **_given(extra)), extra, dtype)
+    if residual is True:
+        assert torch.equal(stream, randn(*stream.shape, dtype=dtype, device=device, seed=4)), "the stream changed"
+
+
+def _given(extra: dict) -> dict:
+    """`extra` as a linear under test gets it: a donated residual as a copy (the kernel may write into it)."""
+    return dict(extra, residual=extra["residual"].clone()) if extra["donate_residual"] else extra
 
 
 def _fp8_table(weight, copy) -> Fp8Weights:
@@ -127,15 +130,11 @@ def _fp8_table(weight, copy) -> Fp8Weights:
 def assert_linear_matches(x, weight, out, extra, dtype):
     """`out` of a fused linear on x and weight with `extra` (its keyword arguments) against the torch reference."""
     ref = fused_linear(x, weight, **extra)
-    stream = x
-    if extra["residual"] is not None:
-        (out, out_stream), (ref, stream) = out, ref
-        assert out_stream.dtype == stream.dtype and torch.equal(out_stream, stream)
     # Absolute tolerance on the scale of the largest output: the kernel folds the norm out of the sum (the reference
     # rounds the normed input), so a projection output may land one ulp away, which SiLU·mul scales by the other
     # half. Plus fp32 rounding of the largest sum of |products| (about 240 at K = 14336, past 1e-5 in fp32): the
     # sum's order differs from cuBLAS's.
-    a = rms_norm(stream, *extra["norm"]) if extra["norm"] is not None else stream
+    a = rms_norm(x, *extra["norm"]) if extra["norm"] is not None else x
     bound = (a.float().abs() @ weight.float().abs().T).max().item()
     tol = TOLERANCE[dtype]
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -438,7 +437,8 @@ def check_model(path, device, dtype, rel_tol, B, T, joint=False):
         out = forward()
     L, qk_norms = cfg.num_hidden_layers, 2 if cfg.qk_norm else 0
     # Per layer, joint: Qwen3's q and k norms, four linears (the other norms, the residual adds and SiLU·mul inside
-    # them). Separate: the two norms (with the residual adds), SiLU·mul, the o and down linears. And the final norm.
+    # them). Separate: the two norms, SiLU·mul, the o and down linears (the residual adds inside them). And the final
+    # norm.
     expected = dict(rms_norm=qk_norms * L + 1, rotary=L, silu_mul=0, linear=4 * L) if joint else dict(
         rms_norm=(qk_norms + 2) * L + 1, rotary=L, silu_mul=L, linear=2 * L)
     assert calls == expected
@@ -465,7 +465,7 @@ def test_rms_norm_cuda(dtype, rows, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_rms_norm_cuda_strided_mixed_dtypes_and_residual(dtype):
+def test_rms_norm_cuda_strided_mixed_dtypes_and_unit(dtype):
     check_rms_norm("cuda", dtype, 300, 4096, True)
     check_rms_norm("cuda", dtype, 300, 576, False, torch.float32)
     check_rms_norm("cuda", dtype, 1, 4096, False, None, True)
@@ -479,33 +479,36 @@ def test_norm_cat_cuda(dtype, rows, n, strided):
     check_norm_cat("cuda", dtype, rows, n, strided)
 
 
-# Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel) and 48
-# (composed). The residual stream is added before the q/k/v and gate/up projections.
-LINEAR_CUDA = [(1, 6144, 4096, True, False, False, True), (1, 4096, 4096, False, False, False, False),
-               (1, 28672, 4096, True, True, False, True), (1, 4096, 14336, False, False, False, False),
-               (1, 128256, 4096, False, False, False, False), (1, 960, 576, True, False, True, True),
-               (1, 3072, 576, True, True, True, False), (48, 6144, 4096, True, False, False, True),
-               (48, 28672, 4096, True, True, False, True), (48, 4096, 4096, False, False, True, False),
-               (48, 4096, 14336, False, False, False, True), (8, 4096, 4096, False, False, False, True),
-               (2, 960, 576, True, False, True, True), (8, 3072, 576, True, True, False, True),
-               (17, 576, 1536, False, False, True, False), (8, 576, 1536, True, False, False, True),
-               (64, 960, 576, True, False, False, True),
-               (8, 3072, 576, False, True, True, False)]
+# Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel), 8 (a tree's
+# verification: o in `rows_matmul`, gate/up and down on cuBLAS) and 48 (cuBLAS). The residual stream is added by o and
+# down ("donated": cuBLAS adds in place); the norms before q/k/v and gate/up are whole or folded ("unit").
+LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, False, False, False, True),
+               (1, 28672, 4096, "unit", True, False, False), (1, 4096, 14336, False, False, False, "donated"),
+               (1, 128256, 4096, True, False, False, False), (1, 960, 576, True, False, True, False),
+               (1, 3072, 576, True, True, True, False), (48, 6144, 4096, "unit", False, False, False),
+               (48, 28672, 4096, "unit", True, False, False), (48, 4096, 4096, False, False, True, True),
+               (48, 4096, 14336, False, False, False, "donated"), (8, 4096, 4096, False, False, False, True),
+               (8, 28672, 4096, "unit", True, False, False), (8, 28672, 4096, True, True, False, False),
+               (8, 4096, 14336, False, False, False, "donated"), (8, 6144, 4096, "unit", False, False, False),
+               (2, 960, 576, True, False, True, False), (8, 3072, 576, "unit", True, False, False),
+               (17, 576, 1536, False, False, True, True), (8, 576, 1536, False, False, False, "donated"),
+               (64, 960, 576, "unit", False, False, False), (8, 3072, 576, False, True, True, False)]
 # rows, N, K, norm, silu, bias, residual; past one row, weights up to 2^24 entries go to `rows_matmul`
 # Float8 copies (`--draft-fp8`) at a Llama-3.1-8B EAGLE-3 head's shapes: q/k/v on the 2H input, gate/up, down, the
 # 32,000-row lm_head with the final norm, fc, o; one row (a chain's pass), 4 to 8 (a tree's, K split over 2 or 4
 # programs but for the lm_head), 48 (cuBLAS on the rounded weight); and SmolLM2's (past one row, its rounded weight).
-LINEAR_FP8_CUDA = [(1, 6144, 8192, False, False, False, False), (1, 28672, 4096, True, True, False, True),
+LINEAR_FP8_CUDA = [(1, 6144, 8192, False, False, False, False), (1, 28672, 4096, True, True, False, False),
                    (1, 32000, 4096, True, False, False, False), (4, 6144, 8192, False, False, False, False),
-                   (4, 28672, 4096, True, True, False, True), (4, 4096, 14336, False, False, False, False),
+                   (4, 28672, 4096, True, True, False, False), (4, 4096, 14336, False, False, False, "donated"),
                    (8, 32000, 4096, True, False, False, False), (6, 4096, 12288, False, False, False, False),
-                   (48, 28672, 4096, True, True, False, True), (4, 3072, 576, True, True, True, False),
-                   (8, 4096, 4096, False, False, True, False)]
+                   (48, 28672, 4096, True, True, False, False), (4, 3072, 576, True, True, True, False),
+                   (8, 4096, 4096, False, False, True, True)]
 
 
 def _linear_id(case):
     rows, N, K, norm, silu, bias, residual = case
-    return f"r{rows}-N{N}-K{K}" + "-norm" * norm + "-silu" * silu + "-bias" * bias + "-res" * residual
+    return (f"r{rows}-N{N}-K{K}" + {False: "", True: "-norm", "unit": "-unitnorm"}[norm] + "-silu" * silu
+            + "-bias" * bias + {False: "", True: "-res", "donated": "-donated"}[residual])
 
 
 @pytest.mark.gpu
@@ -663,12 +666,12 @@ def interpreter():
 
 HALVES = [torch.float32, torch.float16]
 RMS_CPU = [(1, 576, False, None, False), (7, 96, False, None, True), (33, 128, True, None, True),
-           (5, 64, True, torch.float32, False)]  # rows, n, sliced, weight_dtype, residual
+           (5, 64, True, torch.float32, False)]  # rows, n, sliced, weight_dtype, unit
 
 
 @pytest.mark.parametrize("case", RMS_CPU,
                          ids=lambda c: f"r{c[0]}-n{c[1]}{'-sliced' * c[2]}{'-w32' * (c[3] is not None)}"
-                         f"{'-res' * c[4]}")
+                         f"{'-unit' * c[4]}")
 @pytest.mark.parametrize("dtype", HALVES, ids=_id)
 def test_rms_norm_interpreter(interpreter, dtype, case):
     interpreter(check_rms_norm, "cpu", dtype, *case)
@@ -680,15 +683,16 @@ def test_norm_cat_interpreter(interpreter, dtype, rows, n, strided):
     interpreter(check_norm_cat, "cpu", dtype, rows, n, strided)
 
 
-LINEAR_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
-              (1, 600, 64, True, True, False, True), (1, 33, 2100, False, False, False, True),
-              (1, 8, 2500, True, False, False, True), (3, 40, 96, True, False, False, True),
-              (20, 70, 300, False, True, True, False), (4, 40, 1100, False, False, True, False),
-              (5, 64, 1300, True, True, False, True), (1, 24, 4100, True, False, True, True),
+LINEAR_CPU = [(1, 40, 300, True, False, True, False), (1, 66, 1100, False, True, True, False),
+              (1, 600, 64, "unit", True, False, False), (1, 33, 2100, False, False, False, True),
+              (1, 8, 2500, True, False, False, "donated"), (3, 40, 96, False, False, False, True),
+              (20, 70, 300, False, True, True, False), (4, 40, 1100, False, False, True, True),
+              (5, 64, 1300, "unit", True, False, False), (6, 50, 200, False, False, False, "donated"),
+              (3, 40, 96, "unit", False, True, False), (1, 24, 4100, True, False, True, True),
               (1, 12, 4096, False, True, False, False)]
-# rows, N, K, norm, silu, bias, residual; ragged N and K; the stream written by three programs, then by one;
-# past one row, `rows_matmul` (fp16: fp32 goes to torch), two with K split over 3 and 4 programs; the last two, one
-# row of a long K in 4 (2 with SiLU·mul) weight rows a program
+# rows, N, K, norm, silu, bias, residual; ragged N and K; past one row, `rows_matmul` (fp16) or torch's matmul
+# (fp32: a folded norm's 1 / RMS then in SiLU·mul, a donated stream added in place), two with K split over 3 and 4
+# programs; the last two, one row of a long K in 4 (2 with SiLU·mul) weight rows a program
 
 
 @pytest.mark.parametrize("case", LINEAR_CPU, ids=_linear_id)
@@ -698,7 +702,7 @@ def test_fused_linear_interpreter(interpreter, dtype, case):
 
 
 LINEAR_FP8_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
-                  (3, 40, 96, True, False, False, True), (3, 512, 32768, False, False, True, False),
+                  (3, 40, 96, True, False, False, True), (3, 512, 32768, False, False, True, "donated"),
                   (2, 256, 65536, False, True, False, False)]
 # past one row: a small weight (the rounded weight read); 2^24 entries (the copy read, K over 4 programs)
 
@@ -715,7 +719,7 @@ def check_rows_kernel_launches(device, dtype):
     x = randn(5, 300, dtype=dtype, device=device, seed=0)
     weight = randn(80, 300, dtype=dtype, device=device, seed=1, scale=300 ** -0.5 * 4)
     for silu in (False, True):
-        extra = dict(bias=None, residual=None, norm=None, silu_mul_output=silu)
+        extra = dict(bias=None, residual=None, donate_residual=False, norm=None, silu_mul_output=silu)
         for launch in (kernels.RowsLaunch(16, 64, 2, 4, 1), kernels.RowsLaunch(32, 128, 3, 4, 3),
                        kernels.RowsLaunch(16, 32, 2, 4, 7), kernels.RowsLaunch(64, 128, 2, 4, 9)):
             out = kernels.rows_kernel(x, weight, silu_mul_output=silu, launch=launch)
@@ -846,25 +850,28 @@ def test_model_interpreter(interpreter, family, B, T, joint, hf_checkpoint):
     interpreter(check_model, hf_checkpoint(family)[0], "cpu", torch.float32, 1e-5, B, T, joint)
 
 
-def _norm_without_eps(x, weight, eps, residual=None):
-    return kernels.rms_norm(x, weight, 0.0, residual)
+def _norm_without_eps(x, weight, eps):
+    return kernels.rms_norm(x, weight, 0.0)
 
 
-def _norm_of_x_alone(x, weight, eps, residual):
-    return kernels.rms_norm(x, weight, eps), x + residual
+def _unit_norm_weighted(x, weight, eps):
+    return kernels.rms_norm(x, torch.full(x.shape[-1:], 1.01, dtype=x.dtype) if weight is None else weight, eps)
 
 
-def _linear_norm_unweighted(x, weight, bias=None, *, residual=None, norm=None, silu_mul_output=False):
-    return kernels.fused_linear(x, weight, bias, residual=residual, norm=(torch.ones_like(norm[0]), norm[1]))
+def _linear_norm_unweighted(x, weight, bias=None, *, norm, **extra):
+    return kernels.fused_linear(x, weight, bias, norm=(None, norm[1]), **extra)
 
 
-def _linear_silu_of_up(x, weight, bias=None, *, residual=None, norm=None, silu_mul_output=False):
-    return kernels.fused_linear(x, torch.cat(weight.chunk(2)[::-1]), bias, residual=residual, norm=norm,
-                                silu_mul_output=True)
+def _linear_unit_norm_skipped(x, weight, bias=None, *, norm, **extra):
+    return kernels.fused_linear(x, weight, bias, **extra)
 
 
-def _linear_of_x_alone(x, weight, bias=None, *, residual=None, norm=None, silu_mul_output=False):
-    return kernels.fused_linear(x, weight, bias, norm=norm, silu_mul_output=silu_mul_output), x + residual
+def _linear_silu_of_up(x, weight, bias=None, **extra):
+    return kernels.fused_linear(x, torch.cat(weight.chunk(2)[::-1]), bias, **extra)
+
+
+def _linear_without_residual(x, weight, bias=None, *, residual, donate_residual, **extra):
+    return kernels.fused_linear(x, weight, bias, **extra)
 
 
 def _rotary_sin_negated(q, k, cos, sin):
@@ -947,11 +954,15 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
 
 @pytest.mark.parametrize("check, args", [
     (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, False, _norm_without_eps)),
-    (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, True, _norm_of_x_alone)),
-    (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, False, _linear_norm_unweighted)),
+    (check_rms_norm, ("cpu", torch.float32, 7, 96, False, None, True, _unit_norm_weighted)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, False, False, _linear_norm_unweighted)),
+    (check_fused_linear, ("cpu", torch.float32, 5, 64, 1300, "unit", True, False, False, False,
+                          _linear_unit_norm_skipped)),
     (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, False, _linear_silu_of_up)),
     (check_fused_linear, ("cpu", torch.float16, 3, 70, 300, False, True, False, False, False, _linear_silu_of_up)),
-    (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, False, _linear_of_x_alone)),
+    (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, False, _linear_without_residual)),
+    (check_fused_linear, ("cpu", torch.float16, 3, 40, 96, False, False, False, True, False,
+                          _linear_without_residual)),
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, True, _linear_ignoring_fp8)),
     (check_fused_linear, ("cpu", torch.float16, 3, 512, 32768, False, False, True, False, True, _fp8_scales_rolled)),
     (check_fused_linear, ("cpu", torch.float16, 4, 40, 1100, False, False, True, False, False,
@@ -969,12 +980,12 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_frontier_inputs, ("cpu", 3, 4, 50, 40, False, _frontier_parents_of_row_zero)),
     (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
     (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
-], ids=["norm-without-eps", "norm-of-x-alone", "linear-norm-unweighted", "linear-silu-of-up", "rows-silu-of-up",
-        "linear-of-x-alone", "linear-ignoring-fp8", "rows-fp8-scales-rolled", "rows-split-finished-early",
-        "rotary-sin-negated", "store-k-unrotated", "silu-of-up", "top-of-unnormalised",
-        "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer", "row-sum-short-of-the-last",
-        "frontier-forgets-ancestors", "tree-walk-short", "frontier-parents-of-row-zero", "path-a-position-late",
-        "move-one-short"])
+], ids=["norm-without-eps", "unit-norm-weighted", "linear-norm-unweighted", "unit-norm-skipped", "linear-silu-of-up",
+        "rows-silu-of-up", "linear-without-residual", "rows-without-residual", "linear-ignoring-fp8",
+        "rows-fp8-scales-rolled", "rows-split-finished-early", "rotary-sin-negated", "store-k-unrotated",
+        "silu-of-up", "top-of-unnormalised", "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer",
+        "row-sum-short-of-the-last", "frontier-forgets-ancestors", "tree-walk-short", "frontier-parents-of-row-zero",
+        "path-a-position-late", "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     with pytest.raises(AssertionError):
