@@ -355,8 +355,8 @@ def _composed(x, weight, bias, norm, silu_mul_output, residual, donate_residual,
 
 ROWS_MAX = 64  # more rows: cuBLAS
 # Larger weights go to cuBLAS. Per call this kernel ties it on an 8B target's q/k/v and down at 8 rows, but in place
-# the two made an 8B verification 0.6-0.7 ms slower (q/k/v alone: 0.06 ms faster; docs/perf.md, twenty-fourth and
-# thirty-first entries).
+# the two made an 8B verification 0.6-0.7 ms slower, and q/k/v alone no faster (docs/perf.md, thirty-first and
+# thirty-third entries; 0.06 ms faster in the twenty-fourth's older build).
 ROWS_MAX_WEIGHT = 1 << 24
 # Float8 copies are read past one row up to ROWS_FP8_MAX rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
 # (every weight of an 8B head): there they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs,
