@@ -51,6 +51,7 @@ class DecoderLayer(nn.Module):
 
     def fold_norms(self) -> None:
         """Inference, after `fuse_projections`: both norms' weights into the projections they feed (`fold_norm`)."""
+        assert self.self_attn.qkv_proj is not None and self.mlp.gate_up_proj is not None, "fuse_projections first"
         fold_norm(self.input_layernorm, self.self_attn.qkv_proj)
         fold_norm(self.post_attention_layernorm, self.mlp.gate_up_proj)
 

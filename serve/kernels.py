@@ -268,7 +268,8 @@ def silu_mul(gate: Tensor, up: Tensor, *, rms_of: Tensor | None = None, eps: flo
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](
         gate_rows, up_rows, stream, out, n, gate_rows.stride(0), up_rows.stride(0), stream.stride(0), stream.shape[1],
-        eps, SCALED=rms_of is not None, BLOCK=1024, BLOCK_K=triton.next_power_of_2(stream.shape[1]),
+        eps, SCALED=rms_of is not None, BLOCK=1024,
+        BLOCK_K=triton.next_power_of_2(stream.shape[1]) if rms_of is not None else 16,  # unscaled: unused
         **launch_options(gate.device),
     )
     return out
@@ -306,7 +307,8 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     quantized = fp8.get(weight) if fp8 is not None else None
     if (x.numel() != x.shape[-1] or x.dtype != weight.dtype or not weight.is_contiguous()
             or (residual is not None and residual.dtype != x.dtype)):
-        return _composed(x, weight, bias, norm, silu_mul_output, residual, donate_residual, quantized)
+        return rows_matmul(x, weight, bias, norm=norm, silu_mul_output=silu_mul_output, residual=residual,
+                           donate_residual=donate_residual, quantized=quantized)
     x = x.contiguous()
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
@@ -339,20 +341,6 @@ def with_fp8(table: Fp8Weights) -> Kernels:
     return dataclasses.replace(FUSED, linear=functools.partial(fused_linear, fp8=table))
 
 
-def _composed(x, weight, bias, norm, silu_mul_output, residual, donate_residual, quantized):
-    """More than one row, where the matmul is `rows_matmul`'s (or cuBLAS's): the RMSNorm before it in its own launch,
-    SiLU·mul and the residual add in the matmul's epilogue (or cuBLAS's). A folded norm (a unit weight, `fold_norm`)
-    before cuBLAS's matmul and SiLU·mul takes no launch: its 1 / RMS scales SiLU·mul's inputs (a per-row scale
-    commutes with the matmul)."""
-    takes_rows, _ = rows_operands(x, weight, quantized)
-    if (norm is not None and norm[0] is None and silu_mul_output and bias is None and residual is None
-            and not takes_rows):
-        return silu_mul(*F.linear(x, weight).chunk(2, dim=-1), rms_of=x, eps=norm[1])
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    return rows_matmul(x, weight, bias, silu_mul_output, quantized, residual, donate_residual)
-
-
 ROWS_MAX = 64  # more rows: cuBLAS
 # Larger weights go to cuBLAS. Per call this kernel ties it on an 8B target's q/k/v and down at 8 rows, but in place
 # the two made an 8B verification 0.6-0.7 ms slower, and q/k/v alone no faster (docs/perf.md, thirty-first and
@@ -366,16 +354,25 @@ ROWS_FP8_MAX = 16
 ROWS_FP8_MIN_WEIGHT = 1 << 24
 
 
-def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
-                quantized: Fp8Weight | None = None, residual: Tensor | None = None, donate_residual: bool = False
+def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                norm: tuple[Tensor | None, float] | None = None, silu_mul_output: bool = False,
+                residual: Tensor | None = None, donate_residual: bool = False, quantized: Fp8Weight | None = None
                 ) -> Tensor:
-    """residual + F.linear for a few rows (2 to ROWS_MAX: verification, a draft pass) of a small weight, or of a
-    large one with a float8 copy (`quantized`, which it then reads: ROWS_FP8_MAX), in `rows_kernel`; other inputs go
-    to cuBLAS (and `silu_mul`) with `weight`, which adds a donated residual in its matmul (beta = 1, in place).
+    """`fused_linear` past one row (or on inputs its one-token kernel does not take): `rows_kernel` for a few rows (2
+    to ROWS_MAX: verification, a draft pass) of a small weight, or of a large one with a float8 copy (`quantized`,
+    which it then reads: ROWS_FP8_MAX), with SiLU·mul and the residual add in its epilogue; cuBLAS (and `silu_mul`)
+    with `weight` otherwise, adding a donated residual in its matmul (beta = 1, in place). The RMSNorm runs in its
+    own launch before the matmul, but for a folded one (a unit weight, `fold_norm`) before cuBLAS's gate/up: its
+    1 / RMS, a per-row scale that commutes with the matmul, scales SiLU·mul's inputs instead.
     x [..., K], weight [N, K], residual [..., N] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     takes_rows, quantized = rows_operands(x, weight, quantized)
+    if (not takes_rows and norm is not None and norm[0] is None and silu_mul_output and bias is None
+            and residual is None):
+        return silu_mul(*F.linear(x, weight).chunk(2, dim=-1), rms_of=x, eps=norm[1])
+    if norm is not None:
+        x = rms_norm(x, *norm)
     if takes_rows:
         return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual)
     if residual is not None and donate_residual and bias is None and not silu_mul_output and residual.is_contiguous():
@@ -525,8 +522,8 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
     w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok & SILU_MUL, other=0.0)
     follow(PDL)
-    res = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)  # HAS_RESIDUAL only: loaded before the loop, so
-    if HAS_RESIDUAL:  # that the epilogue does not wait on it (0.5 µs a call at 8 rows of an 8B target's o)
+    res = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)  # HAS_RESIDUAL only: loaded before the loop (added
+    if HAS_RESIDUAL:  # after it, an 8B target's o took 0.5 µs more a call at 8 rows; docs/perf.md, thirty-third entry)
         res = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
@@ -580,10 +577,9 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
-    ok = m_ok[:, None] & n_ok[None, :]
     if HAS_RESIDUAL:
         acc = acc.to(dtype).to(tl.float32) + res.to(tl.float32)
-    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=ok)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @jit
