@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .attention import AttentionMetadata
 from .config import ConfigError, RopeConfig, build_dataclass, read_layer_fields
 from .hot_vocab import HotVocab
-from .layers import MLP, Attention, Kernels, RMSNorm, Rotary
+from .layers import MLP, Attention, Kernels, RMSNorm, Rotary, fold_layer_norms
 from .target import TargetOutput
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -112,6 +112,12 @@ class EagleHead(nn.Module):
     def attach_lm_head(self, target_lm_head: Tensor) -> None:
         """Takes the target's lm_head [vocab, H], restricted to the hot vocabulary when there is one."""
         self.lm_head_weight = target_lm_head if self.token_map is None else target_lm_head[self.token_map.hot_ids]
+
+    def fold_norms(self) -> None:
+        """Inference, after `fuse_projections`: each layer's norm weights into the projections they feed
+        (`fold_layer_norms`; the lm_head is the target's, after no norm of the head's)."""
+        for layer in self.layers:
+            fold_layer_norms(layer)
 
     def project_target(self, target: TargetOutput) -> Tensor:
         """First-step features: the target's final normed hidden state [B, T, H]."""

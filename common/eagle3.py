@@ -34,7 +34,7 @@ from .config import (
     write_layer_fields,
 )
 from .hot_vocab import HotVocab
-from .layers import MLP, Attention, Kernels, RMSNorm, Rotary
+from .layers import MLP, Attention, Kernels, RMSNorm, Rotary, fold_norm
 from .target import TargetOutput
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -230,6 +230,15 @@ class Eagle3Head(nn.Module):
         (pre-norm)."""
         cos, sin = self.rotary.tables(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, attn)
+
+    def fold_norms(self) -> None:
+        """Inference, after `fuse_projections`: the post-attention norm's weight into gate/up and the final norm's
+        into the lm_head (`fold_norm`). The input norms stay whole: each scales its half of q/k/v's input, not all
+        of it."""
+        mlp = self.midlayer.mlp
+        assert mlp.gate_up_proj is not None, "fuse_projections first"
+        fold_norm(self.midlayer.post_attention_layernorm, mlp.gate_up_proj)
+        fold_norm(self.norm, self.lm_head)
 
     def logits(self, out: Tensor) -> Tensor:
         """out [B, T, H] from `step` -> logits over the draft vocabulary [B, T, draft_vocab]."""

@@ -116,6 +116,17 @@ def fold_norm(norm: RMSNorm, proj: nn.Linear) -> None:
         norm.weight = None
 
 
+def fold_layer_norms(layer: nn.Module) -> None:
+    """Inference, after `fuse_projections`: a decoder layer's norm weights folded (`fold_norm`) into the joint
+    projections they feed: `input_layernorm` (where the layer has one) into q/k/v, `post_attention_layernorm` into
+    gate/up. Idempotent."""
+    attention, mlp = layer.self_attn, layer.mlp
+    assert attention.qkv_proj is not None and mlp.gate_up_proj is not None, "fuse_projections first"
+    if layer.input_layernorm is not None:
+        fold_norm(layer.input_layernorm, attention.qkv_proj)
+    fold_norm(layer.post_attention_layernorm, mlp.gate_up_proj)
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> Tensor:
     """Inverse frequencies [head_dim // 2] in fp32, with `linear` or `llama3` scaling applied."""
     inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)

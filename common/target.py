@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .attention import AttentionMetadata
 from .config import TargetConfig
-from .layers import MLP, Attention, RMSNorm, Rotary, fold_norm
+from .layers import MLP, Attention, RMSNorm, Rotary, fold_layer_norms
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -48,12 +48,6 @@ class DecoderLayer(nn.Module):
         its output to the stream in its kernel (`Attention.forward`)."""
         x = self.self_attn(x, cos, sin, attn, layer, norm=self.input_layernorm, residual=x)
         return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
-
-    def fold_norms(self) -> None:
-        """Inference, after `fuse_projections`: both norms' weights into the projections they feed (`fold_norm`)."""
-        assert self.self_attn.qkv_proj is not None and self.mlp.gate_up_proj is not None, "fuse_projections first"
-        fold_norm(self.input_layernorm, self.self_attn.qkv_proj)
-        fold_norm(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
 
 class DecoderStack(nn.Module):
@@ -114,7 +108,7 @@ class TargetModel(nn.Module):
         """Inference, after `fuse_projections`: each layer's norms folded into the projections they feed
         (`fold_norm`). The final norm stays whole: the lm_head it feeds may be the embedding too."""
         for layer in self.model.layers:
-            layer.fold_norms()
+            fold_layer_norms(layer)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (normed) -> logits [..., vocab]."""

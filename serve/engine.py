@@ -29,9 +29,9 @@ elementwise work and one-token projections, the draft's top-k, the draft tree's 
 (greedy and sampled), its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton
 kernels (`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
 q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`), folds the
-target's layer norms' weights into those (`TargetModel.fold_norms`: a norm before cuBLAS's matmul then costs no
-launch of its own), and with `draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read
-(`fp8.py`).
+models' norm weights into the projections they feed (their `fold_norms`: what is left of such a norm, 1 / RMS, the
+few-rows kernel applies to its sums, and SiLU·mul after cuBLAS's gate/up, with no launch of its own), and with
+`draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read (`fp8.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -192,7 +192,7 @@ class Engine:
         for model in (target, head):
             if model is not None:
                 fuse_projections(model)  # q/k/v and gate/up as one matmul each (in place: the caller's models too)
-        target.fold_norms()
+                model.fold_norms()  # the norms' weights into the projections they feed (`fold_norm`)
         fp8_copies = quantize_linears(head) if head is not None and self.config.draft_fp8 else None
         if fused:  # fused elementwise kernels (the layers' torch ones are the reference)
             kernels.install(target)

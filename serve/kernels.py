@@ -343,8 +343,8 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 ROWS_MAX = 64  # more rows: cuBLAS
 # Larger weights go to cuBLAS. Per call this kernel ties it on an 8B target's q/k/v and down at 8 rows, but in place
-# the two made an 8B verification 0.6-0.7 ms slower, and q/k/v alone no faster (docs/perf.md, thirty-first and
-# thirty-third entries; 0.06 ms faster in the twenty-fourth's older build).
+# the two made an 8B verification 0.6-0.7 ms slower, and q/k/v alone no faster, or 0.2 ms slower with its folded
+# norm inside (docs/perf.md, thirty-first, thirty-third and thirty-fourth entries).
 ROWS_MAX_WEIGHT = 1 << 24
 # Float8 copies are read past one row up to ROWS_FP8_MAX rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
 # (every weight of an 8B head): there they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs,
@@ -362,19 +362,21 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     to ROWS_MAX: verification, a draft pass) of a small weight, or of a large one with a float8 copy (`quantized`,
     which it then reads: ROWS_FP8_MAX), with SiLU·mul and the residual add in its epilogue; cuBLAS (and `silu_mul`)
     with `weight` otherwise, adding a donated residual in its matmul (beta = 1, in place). The RMSNorm runs in its
-    own launch before the matmul, but for a folded one (a unit weight, `fold_norm`) before cuBLAS's gate/up: its
-    1 / RMS, a per-row scale that commutes with the matmul, scales SiLU·mul's inputs instead.
+    own launch before the matmul, but for a folded one (a unit weight, `fold_norm`): its 1 / RMS, a per-row scale that
+    commutes with the matmul, scales the few-rows kernel's sums, or SiLU·mul's inputs after cuBLAS's gate/up.
     x [..., K], weight [N, K], residual [..., N] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     takes_rows, quantized = rows_operands(x, weight, quantized)
-    if (not takes_rows and norm is not None and norm[0] is None and silu_mul_output and bias is None
-            and residual is None):
+    folded = norm is not None and norm[0] is None
+    if takes_rows:
+        x = rms_norm(x, *norm) if norm is not None and not folded else x
+        return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual,
+                           folded_norm_eps=norm[1] if folded else None)
+    if folded and silu_mul_output and bias is None and residual is None:
         return silu_mul(*F.linear(x, weight).chunk(2, dim=-1), rms_of=x, eps=norm[1])
     if norm is not None:
         x = rms_norm(x, *norm)
-    if takes_rows:
-        return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual)
     if residual is not None and donate_residual and bias is None and not silu_mul_output and residual.is_contiguous():
         residual.view(-1, N).addmm_(x.reshape(-1, K), weight.t())
         return residual
@@ -415,15 +417,20 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
 
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
-                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None
-                ) -> Tensor:
+                quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
+                folded_norm_eps: float | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
     benchmark sweeps them): tensor cores, in the programmatic dependent launches (cuBLAS's cannot join them), the
     first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves (`silu_mul_output`, a
     joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the
     epilogue, reading the float8 copy `quantized` where given. Weights of few output columns split K over several
-    programs (`rows_splits`). x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to
-    ROWS_MAX; weight [N, K]; residual [..., N] (N / 2 with SiLU·mul)."""
+    programs (`rows_splits`). With `folded_norm_eps`, x goes through a folded RMSNorm first (unit weight, `fold_norm`):
+    an unsplit launch on a bf16/fp16 weight sums x's squares on the tensor cores as its loop reads x and scales its
+    sums by 1 / RMS, one launch less than normalising x before, which the others do (a split program sees part of
+    K; with float8 copies either way of summing the squares made an 8B head's (5, 4, 8) step 0.3 ms slower:
+    docs/perf.md, thirty-fourth entry).
+    x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]; residual
+    [..., N] (N / 2 with SiLU·mul)."""
     N, K = weight.shape
     rows = _rows(x)  # [M, K]
     M = len(rows)
@@ -432,6 +439,8 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     block_m = max(16, triton.next_power_of_2(M))
     launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None)  # splits: equal runs
     block_n, block_k, stages, warps, splits = launch
+    if folded_norm_eps is not None and (splits > 1 or quantized is not None):
+        rows, folded_norm_eps = rms_norm(rows, None, folded_norm_eps), None
     tiles = triton.cdiv(N_out, block_n)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
@@ -443,9 +452,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         counters = _split_counters(x.device)
     _rows_matmul_kernel[(tiles, splits)](
         rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, res, out, partials,
-        counters, M, N_out, K, rows.stride(0), res.stride(0),
+        counters, M, N_out, K, rows.stride(0), res.stride(0), folded_norm_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
-        HAS_RESIDUAL=residual is not None, SPLITS=splits,
+        HAS_RESIDUAL=residual is not None, NORM=folded_norm_eps is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),
     )
@@ -493,15 +502,19 @@ def _split_counters(device: torch.device) -> Tensor:
 
 @jit
 def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K,
-                        stride_x, stride_res, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                        stride_x, stride_res, eps, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
     a float8 copy (made x's dtype by `_e4m3_values`) and each output column is scaled by its row's scale_ptr entry
     (`serve/fp8.py`): the products of x and the float8 values are exact in the dot's fp32, and so are the
-    power-of-two scales. With HAS_RESIDUAL, out = res [M, N] + that, rounded as the reference's add.
+    power-of-two scales. With HAS_RESIDUAL, out = res [M, N] + that, rounded as the reference's add. With NORM (one
+    split, no float8), x's rows are first normalised by a unit-weight RMSNorm of `eps`: the loop also forms x xᵀ,
+    whose diagonal holds the rows' sums of squares, and the sums are scaled by each row's 1 / RMS before the epilogue
+    (a sum over each chunk's columns instead took two more barriers a chunk and made SmolLM2's verification no
+    faster than the norm's own launch).
 
     With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
     partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
@@ -527,14 +540,23 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         res = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
-    acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE, SILU_MUL)
+    squares = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)  # NORM only: x xᵀ
+    acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE, SILU_MUL,
+                                       NORM)
     for start in range(begin + BLOCK_K, end, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < end)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
-        acc, acc_up = _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE, SILU_MUL)
+        acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE,
+                                           SILU_MUL, NORM)
+    if NORM:
+        tl.static_assert(SPLITS == 1 and not HAS_SCALE, "a folded norm needs all of K in one program, unscaled")
+        squares = tl.sum(tl.where(m[:, None] == m[None, :], squares, 0.0), 1)  # the diagonal [BLOCK_M]
+        rstd = tl.rsqrt(squares / K + eps)[:, None]  # as `_rstd`
+        acc *= rstd
+        acc_up *= rstd
     if SPLITS == 1:
         _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
                        SILU_MUL, HAS_RESIDUAL)
@@ -583,17 +605,21 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n
 
 
 @jit
-def _rows_chunk(x_rows, w, w_up, acc, acc_up, m_ok, kk, end, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr):
+def _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE: tl.constexpr,
+               SILU_MUL: tl.constexpr, NORM: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K] (columns from `end` on masked): acc
-    [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up). With
-    HAS_SCALE they are float8, made x's dtype by `_e4m3_values` and x scaled to match (`_e4m3_x`), exactly."""
+    [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up); with NORM,
+    squares [BLOCK_M, BLOCK_M] += x[:, kk] @ x[:, kk]^T. With HAS_SCALE the weights are float8, made x's dtype by
+    `_e4m3_values` and x scaled to match (`_e4m3_x`), exactly."""
     x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+    if NORM:
+        squares = tl.dot(x, tl.trans(x), squares)  # each product exact in the dot's fp32
     if HAS_SCALE:
         w, x = _e4m3_values(w, x.dtype), _e4m3_x(x)
     acc = tl.dot(x, tl.trans(w), acc)
     if SILU_MUL:
         acc_up = tl.dot(x, tl.trans(_e4m3_values(w_up, x.dtype) if HAS_SCALE else w_up), acc_up)
-    return acc, acc_up
+    return acc, acc_up, squares
 
 
 @jit

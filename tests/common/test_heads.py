@@ -305,3 +305,34 @@ def test_hot_vocab_follows_d2t():
     assert torch.equal(head.hot_vocab.hot_ids, second.hot_ids)
     head.d2t = torch.zeros(DV, dtype=torch.long)  # a new tensor, as loading with assign=True makes
     assert torch.equal(head.hot_vocab.hot_ids, torch.arange(DV))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_folded_norms_give_the_same_outputs(tmp_path, kind):
+    """The norm weights a head's `fold_norms` multiplies into the projections they feed (what the engine serves):
+    EAGLE-3's post-attention and final norms, EAGLE's post-attention norm. The folded norms keep only their eps;
+    outputs and logits are the head's (fp32, up to its rounding)."""
+    from eyas.common.layers import RMSNorm, fuse_projections
+
+    eagle3 = kind == "eagle3"
+    (write_public_eagle3 if eagle3 else write_public_eagle)(tmp_path / "head")
+    head = load_draft_head(tmp_path / "head")
+    if not eagle3:
+        head.attach_lm_head(torch.randn(V, H, generator=torch.Generator().manual_seed(5)))
+    embeds, features, pos = inputs(width=3 * HT if eagle3 else H)
+
+    def run():
+        with torch.no_grad():
+            hidden = head.project_target(TargetOutput(hidden=features, aux=features))
+            out = head.step(embeds, hidden, pos, CausalAttention())
+            return out, head.logits(out)
+
+    want = run()
+    fuse_projections(head)
+    head.fold_norms()
+    head.fold_norms()  # idempotent
+    got = run()
+    folded = [m for m in head.modules() if isinstance(m, RMSNorm) and m.weight is None]
+    assert len(folded) == (2 if eagle3 else 1)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

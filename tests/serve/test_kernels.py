@@ -498,12 +498,14 @@ LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, Fal
 # Float8 copies (`--draft-fp8`) at a Llama-3.1-8B EAGLE-3 head's shapes: q/k/v on the 2H input, gate/up, down, the
 # 32,000-row lm_head with the final norm, fc, o; one row (a chain's pass), 4 to 8 (a tree's, K split over 2 or 4
 # programs but for the lm_head), 48 (cuBLAS on the rounded weight); and SmolLM2's (past one row, its rounded weight).
+# The last two with the head's norms folded, as served.
 LINEAR_FP8_CUDA = [(1, 6144, 8192, False, False, False, False), (1, 28672, 4096, True, True, False, False),
                    (1, 32000, 4096, True, False, False, False), (4, 6144, 8192, False, False, False, False),
                    (4, 28672, 4096, True, True, False, False), (4, 4096, 14336, False, False, False, "donated"),
                    (8, 32000, 4096, True, False, False, False), (6, 4096, 12288, False, False, False, False),
                    (48, 28672, 4096, True, True, False, False), (4, 3072, 576, True, True, True, False),
-                   (8, 4096, 4096, False, False, True, True)]
+                   (8, 4096, 4096, False, False, True, True), (8, 28672, 4096, "unit", True, False, False),
+                   (4, 32000, 4096, "unit", False, False, False)]
 
 
 def _linear_id(case):
@@ -691,9 +693,10 @@ LINEAR_CPU = [(1, 40, 300, True, False, True, False), (1, 66, 1100, False, True,
               (5, 64, 1300, "unit", True, False, False), (6, 50, 200, False, False, False, "donated"),
               (3, 40, 96, "unit", False, True, False), (1, 24, 4100, True, False, True, True),
               (1, 12, 4096, False, True, False, False)]
-# rows, N, K, norm, silu, bias, residual; ragged N and K; past one row, `rows_matmul` (fp16) or torch's matmul
-# (fp32: a folded norm's 1 / RMS then in SiLU·mul, a donated stream added in place), two with K split over 3 and 4
-# programs; the last two, one row of a long K in 4 (2 with SiLU·mul) weight rows a program
+# rows, N, K, norm, silu, bias, residual; ragged N and K; past one row, `rows_matmul` (fp16: a folded norm's 1 / RMS
+# in the kernel, or normalised first where K is split) or torch's matmul (fp32: a folded norm's 1 / RMS then in
+# SiLU·mul, a donated stream added in place), two with K split over 3 and 4 programs; the last two, one row of a long
+# K in 4 (2 with SiLU·mul) weight rows a program
 
 
 @pytest.mark.parametrize("case", LINEAR_CPU, ids=_linear_id)
@@ -704,8 +707,9 @@ def test_fused_linear_interpreter(interpreter, dtype, case):
 
 LINEAR_FP8_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
                   (3, 40, 96, True, False, False, True), (3, 512, 32768, False, False, True, "donated"),
-                  (2, 256, 65536, False, True, False, False)]
-# past one row: a small weight (the rounded weight read); 2^24 entries (the copy read, K over 4 programs)
+                  (2, 256, 65536, False, True, False, False), (2, 16384, 1024, "unit", False, False, False)]
+# past one row: a small weight (the rounded weight read); 2^24 entries (the copy read, K over 4 programs, or unsplit
+# over 512 tiles with a folded norm, as an 8B head's lm_head)
 
 
 @pytest.mark.parametrize("case", LINEAR_FP8_CPU, ids=_linear_id)
@@ -959,6 +963,8 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, False, False, _linear_norm_unweighted)),
     (check_fused_linear, ("cpu", torch.float32, 5, 64, 1300, "unit", True, False, False, False,
                           _linear_unit_norm_skipped)),
+    (check_fused_linear, ("cpu", torch.float16, 3, 40, 96, "unit", False, True, False, False,
+                          _linear_unit_norm_skipped)),
     (check_fused_linear, ("cpu", torch.float32, 1, 66, 1100, False, True, False, False, False, _linear_silu_of_up)),
     (check_fused_linear, ("cpu", torch.float16, 3, 70, 300, False, True, False, False, False, _linear_silu_of_up)),
     (check_fused_linear, ("cpu", torch.float32, 1, 600, 64, True, True, False, True, False, _linear_without_residual)),
@@ -981,8 +987,9 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_frontier_inputs, ("cpu", 3, 4, 50, 40, False, _frontier_parents_of_row_zero)),
     (check_path_inputs, ("cpu", 3, 8, 6, 40, 120, 16, _path_a_position_late)),
     (check_move_path, ("cpu", 3, 8, 6, 2, 2, 8, 4, _move_one_short)),
-], ids=["norm-without-eps", "unit-norm-weighted", "linear-norm-unweighted", "unit-norm-skipped", "linear-silu-of-up",
-        "rows-silu-of-up", "linear-without-residual", "rows-without-residual", "linear-ignoring-fp8",
+], ids=["norm-without-eps", "unit-norm-weighted", "linear-norm-unweighted", "unit-norm-skipped",
+        "rows-unit-norm-skipped", "linear-silu-of-up", "rows-silu-of-up", "linear-without-residual",
+        "rows-without-residual", "linear-ignoring-fp8",
         "rows-fp8-scales-rolled", "rows-split-finished-early", "rotary-sin-negated", "store-k-unrotated",
         "silu-of-up", "top-of-unnormalised", "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer",
         "row-sum-short-of-the-last", "frontier-forgets-ancestors", "tree-walk-short", "frontier-parents-of-row-zero",
