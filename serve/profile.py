@@ -3,6 +3,7 @@
     python -m eyas.serve.profile --arch smollm2-135m --trees off 6,8,48
     python -m eyas.serve.profile --arch llama-3.1-8b --trees 5,4,8 --temperature 0.8 --top-p 0.9   # sampled
     python -m eyas.serve.profile --arch smollm2-135m --trees off 5,4,8 --idle   # the GPU's idle time a step
+    python -m eyas.serve.profile --arch llama-3.1-8b --trees 5,4,8 --draft-fp8   # the engine as bench-eagle runs it
 
 A small model's step is bound by how many kernels it launches, not by bytes, and only the launches of the draft, the
 accept phase and verification's extra over a plain pass set the speedup of speculation. For each setting this runs
@@ -38,7 +39,7 @@ from eyas.common.target import default_dtype
 
 from .autotune import format_setting
 from .bench import GREEDY, random_head, warm_engine
-from .commands import add_sampling_arguments, sampling_params, tree_setting
+from .commands import add_engine_arguments, add_sampling_arguments, engine_options, sampling_params, tree_setting
 from .draft import TreeShape
 from .engine import step_reserve
 from .sampling import SamplingParams
@@ -55,9 +56,10 @@ class PhaseProfile:
 
 
 def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], new_tokens: int,
-                    params: SamplingParams = GREEDY) -> dict[str, PhaseProfile]:
-    """Decodes `new_tokens` after `prompt` at batch 1 under the profiler -> one PhaseProfile per phase."""
-    engine = warm_engine(target, head, shape, [prompt], new_tokens, 1, params, profile=True)
+                    params: SamplingParams = GREEDY, **options) -> dict[str, PhaseProfile]:
+    """Decodes `new_tokens` after `prompt` at batch 1 under the profiler -> one PhaseProfile per phase. `options`:
+    EngineConfig fields (`engine_options`)."""
+    engine = warm_engine(target, head, shape, [prompt], new_tokens, 1, params, profile=True, **options)
     engine.decode_steps = 0
     cuda = engine.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -73,10 +75,10 @@ def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], ne
 
 
 def idle_setting(target, head, shape: TreeShape | None, prompt: list[int], new_tokens: int,
-                 params: SamplingParams = GREEDY) -> tuple[Idle, int]:
+                 params: SamplingParams = GREEDY, **options) -> tuple[Idle, int]:
     """Decodes `new_tokens` after `prompt` at batch 1 as in serving, steps overlapping, the prefill left out of the
-    profile -> the GPU's `Idle` over the decode steps, and their count."""
-    engine = warm_engine(target, head, shape, [prompt], new_tokens, 1, params)
+    profile -> the GPU's `Idle` over the decode steps, and their count. `options` as `profile_setting`'s."""
+    engine = warm_engine(target, head, shape, [prompt], new_tokens, 1, params, **options)
     request = engine.add_request(prompt, params, new_tokens)
     while not request.output:  # the prefill
         engine.step()
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle", action="store_true",
                         help="how long the GPU idles a step while steps overlap, as in serving (CUDA only)")
     add_sampling_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
@@ -117,13 +120,15 @@ def main(argv: list[str] | None = None) -> None:
     head = random_head(target)
     prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
     unit = "kernels" if args.device.startswith("cuda") else "operators"
+    options = engine_options(args)
     for shape in args.trees:
         setting = f"{args.arch} {format_setting(shape)}"
+        run = (idle_setting if args.idle else profile_setting)(target, head, shape, prompt.tolist(), args.new_tokens,
+                                                               params, **options)
         if args.idle:
-            print_idle(setting, *idle_setting(target, head, shape, prompt.tolist(), args.new_tokens, params), args.top)
+            print_idle(setting, *run, args.top)
         else:
-            print_phases(setting, unit, profile_setting(target, head, shape, prompt.tolist(), args.new_tokens, params),
-                         args.top)
+            print_phases(setting, unit, run, args.top)
 
 
 def print_phases(setting: str, unit: str, phases: dict[str, PhaseProfile], top: int) -> None:

@@ -33,6 +33,23 @@ def test_cli_prints_every_setting(capsys):
     assert "== tiny off: operators a decode step draft" in out and "== tiny 3,2,4:" in out
 
 
+def test_engine_options_reach_the_engine(monkeypatch, capsys):
+    """The serving commands' engine options (`--draft-fp8`, `--disable-overlap`, ...) configure the profiled engine,
+    so that a profile runs the engine `bench-eagle` timed."""
+    built = []
+    real = profile.warm_engine
+
+    def recording(*args, **options):
+        built.append(options)
+        return real(*args, **options)
+
+    monkeypatch.setattr(profile, "warm_engine", recording)
+    profile.main(["--arch", "tiny", "--trees", "3,2,4", "--input-len", "30", "--new-tokens", "6", "--draft-fp8",
+                  "--disable-overlap"])
+    assert built and all(o["draft_fp8"] and not o["overlap"] and o["profile"] for o in built)
+    assert "== tiny 3,2,4:" in capsys.readouterr().out
+
+
 def test_sampled_verification_is_counted():
     """At a temperature the verify phase holds the sampled walk's work too: more operators than greedy's, among them
     the draw of the bonus token (`searchsorted`)."""
