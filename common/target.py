@@ -106,7 +106,7 @@ class TargetModel(nn.Module):
 
     def fold_norms(self) -> None:
         """Inference, after `fuse_projections`: each layer's norms folded into the projections they feed
-        (`fold_norm`). The final norm stays whole: the lm_head it feeds may be the embedding too."""
+        (`fold_layer_norms`). The final norm stays whole: the lm_head it feeds may be the embedding too."""
         for layer in self.model.layers:
             fold_layer_norms(layer)
 

@@ -368,12 +368,9 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
     takes_rows, quantized = rows_operands(x, weight, quantized)
-    folded = norm is not None and norm[0] is None
     if takes_rows:
-        x = rms_norm(x, *norm) if norm is not None and not folded else x
-        return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual,
-                           folded_norm_eps=norm[1] if folded else None)
-    if folded and silu_mul_output and bias is None and residual is None:
+        return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual, norm=norm)
+    if norm is not None and norm[0] is None and silu_mul_output and bias is None and residual is None:
         return silu_mul(*F.linear(x, weight).chunk(2, dim=-1), rms_of=x, eps=norm[1])
     if norm is not None:
         x = rms_norm(x, *norm)
@@ -418,17 +415,17 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
                 quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
-                folded_norm_eps: float | None = None) -> Tensor:
+                norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
     benchmark sweeps them): tensor cores, in the programmatic dependent launches (cuBLAS's cannot join them), the
     first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves (`silu_mul_output`, a
     joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the
     epilogue, reading the float8 copy `quantized` where given. Weights of few output columns split K over several
-    programs (`rows_splits`). With `folded_norm_eps`, x goes through a folded RMSNorm first (unit weight, `fold_norm`):
-    an unsplit launch on a bf16/fp16 weight sums x's squares on the tensor cores as its loop reads x and scales its
-    sums by 1 / RMS, one launch less than normalising x before, which the others do (a split program sees part of
-    K; with float8 copies either way of summing the squares made an 8B head's (5, 4, 8) step 0.3 ms slower:
-    docs/perf.md, thirty-fourth entry).
+    programs (`rows_splits`). `norm` = (weight or None, eps): x goes through that RMSNorm first, in a launch of its
+    own but for a folded norm (unit weight, `fold_norm`) before an unsplit launch on a bf16/fp16 weight, which
+    applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A split program sees part of K; with float8
+    copies either way of summing the squares made an 8B head's (5, 4, 8) step 0.3 ms slower: docs/perf.md,
+    thirty-fourth entry.)
     x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]; residual
     [..., N] (N / 2 with SiLU·mul)."""
     N, K = weight.shape
@@ -439,8 +436,8 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     block_m = max(16, triton.next_power_of_2(M))
     launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None)  # splits: equal runs
     block_n, block_k, stages, warps, splits = launch
-    if folded_norm_eps is not None and (splits > 1 or quantized is not None):
-        rows, folded_norm_eps = rms_norm(rows, None, folded_norm_eps), None
+    if norm is not None and (norm[0] is not None or splits > 1 or quantized is not None):
+        rows, norm = rms_norm(rows, *norm), None
     tiles = triton.cdiv(N_out, block_n)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
@@ -452,9 +449,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         counters = _split_counters(x.device)
     _rows_matmul_kernel[(tiles, splits)](
         rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, res, out, partials,
-        counters, M, N_out, K, rows.stride(0), res.stride(0), folded_norm_eps or 0.0,
+        counters, M, N_out, K, rows.stride(0), res.stride(0), norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
-        HAS_RESIDUAL=residual is not None, NORM=folded_norm_eps is not None, SPLITS=splits,
+        HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device),
     )
@@ -513,8 +510,7 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     power-of-two scales. With HAS_RESIDUAL, out = res [M, N] + that, rounded as the reference's add. With NORM (one
     split, no float8), x's rows are first normalised by a unit-weight RMSNorm of `eps`: the loop also forms x xᵀ,
     whose diagonal holds the rows' sums of squares, and the sums are scaled by each row's 1 / RMS before the epilogue
-    (a sum over each chunk's columns instead took two more barriers a chunk and made SmolLM2's verification no
-    faster than the norm's own launch).
+    (a sum over each chunk's columns instead took two more barriers a chunk, and SmolLM2's steps were no faster).
 
     With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
     partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
@@ -556,7 +552,8 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         squares = tl.sum(tl.where(m[:, None] == m[None, :], squares, 0.0), 1)  # the diagonal [BLOCK_M]
         rstd = tl.rsqrt(squares / K + eps)[:, None]  # as `_rstd`
         acc *= rstd
-        acc_up *= rstd
+        if SILU_MUL:
+            acc_up *= rstd
     if SPLITS == 1:
         _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
                        SILU_MUL, HAS_RESIDUAL)

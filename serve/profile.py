@@ -123,12 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     options = engine_options(args)
     for shape in args.trees:
         setting = f"{args.arch} {format_setting(shape)}"
-        run = (idle_setting if args.idle else profile_setting)(target, head, shape, prompt.tolist(), args.new_tokens,
-                                                               params, **options)
+        work = (target, head, shape, prompt.tolist(), args.new_tokens, params)
         if args.idle:
-            print_idle(setting, *run, args.top)
+            print_idle(setting, *idle_setting(*work, **options), args.top)
         else:
-            print_phases(setting, unit, run, args.top)
+            print_phases(setting, unit, profile_setting(*work, **options), args.top)
 
 
 def print_phases(setting: str, unit: str, phases: dict[str, PhaseProfile], top: int) -> None:
