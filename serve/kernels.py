@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,8 @@ from .kv_cache import KVPool
 from .sampling import ProbsKernels
 
 jit = triton.jit
+# Whether the kernels are compiled (inline PTX) or run by Triton's CPU interpreter (their Python alone).
+COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def install(model: nn.Module, kernels: Kernels | None = None) -> None:
@@ -406,11 +409,17 @@ class RowsLaunch(NamedTuple):
 
 
 def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
-    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs, from a sweep on an H200
+    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs, from sweeps on an H200
     (docs/perf.md): 32 weight rows a program, long chunks of K for up to 16 rows of a long K, 4 stages of loads in
-    flight, 4 warps; K split as `rows_splits` says."""
+    flight, 4 warps; K split as `rows_splits` says. Float8 copies take 64 weight rows and 3 stages, in chunks of 256
+    but where K, split four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v and o: 11.2-11.4 against
+    12.4-12.5 µs)."""
+    if float8:
+        tiles = triton.cdiv(N_out, 64)
+        block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
+        return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
     block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
-    return RowsLaunch(block_n, block_k, 4, 4, rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), float8))
+    return RowsLaunch(block_n, block_k, 4, 4, rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), False))
 
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
@@ -464,16 +473,18 @@ def reads_fp8_rows(M: int, N: int, K: int) -> bool:
 
 
 SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_splits` splits
+FP8_SPLIT_MAX_TILES = 128  # the most tiles whose K `rows_splits` splits where they read float8 copies
 
 
 def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     """How many programs share each of `tiles` tiles' K (`chunks` of BLOCK_K), from a sweep on an H200 (docs/perf.md).
-    Converting float8 weights bounds a program, so narrow ones gain from more programs: four on up to 256 tiles (an
-    8B head's q/k/v, o, down and fc, 4 and 8 rows: 18-29% faster); its gate/up (448 tiles) is fastest unsplit. In bf16
+    Converting float8 weights bounds a program, so narrow ones gain from more programs: four on up to
+    FP8_SPLIT_MAX_TILES tiles (an 8B head's q/k/v, o, down and fc at 4 and 8 rows); its gate/up (224 tiles of 64
+    columns) is fastest unsplit (35 against 46 µs with four: docs/perf.md, thirty-fifth entry). In bf16
     only a long K over few tiles gains (SmolLM2's down, 576 x 1536: 2.9 against 4.4 µs with six); elsewhere the
     sums' round trip costs more than the extra programs give."""
     if float8:
-        splits = min(4, chunks) if tiles <= 256 else 1
+        splits = min(4, chunks) if tiles <= FP8_SPLIT_MAX_TILES else 1
     else:
         splits = min(6, chunks // 2) if tiles <= 32 and chunks >= 8 else 1
     return equal_runs(chunks, splits)
@@ -625,8 +636,21 @@ def _e4m3_values(w, dtype: tl.constexpr):
     exactly: the sign, exponent and mantissa bits shifted into dtype's fields and the rest masked off (e4m3's 4
     exponent bits are the low ones of dtype's field, so its subnormals and zero stay so). Integer ops at full rate,
     where the conversion instructions (e4m3 -> fp16 -> bf16) run at a quarter: few-rows matmuls 2-9% faster at
-    Llama-3.1-8B's shapes (docs/perf.md). The factor, 2^-120 in bf16 and 2^-8 in fp16, comes back in `_e4m3_x` and
-    `_e4m3_unscale`."""
+    Llama-3.1-8B's shapes (docs/perf.md). Compiled, four values a time in three instructions a pair (`prmt` spreads
+    each byte into a 16-bit lane above its sign's copies; one shift and one mask make both lanes), where the
+    compiler's own code for the same ops took seven. The factor, 2^-120 in bf16 and 2^-8 in fp16, comes back in
+    `_e4m3_x` and `_e4m3_unscale`."""
+    if COMPILED:
+        if dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                "prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; shl.b32 $0, $0, 4; shl.b32 $1, $1, 4; "
+                "and.b32 $0, $0, 0x87F087F0; and.b32 $1, $1, 0x87F087F0;",
+                "=r,=r,r", [w.to(tl.int8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; shl.b32 $0, $0, 7; shl.b32 $1, $1, 7; "
+                "and.b32 $0, $0, 0xBF80BF80; and.b32 $1, $1, 0xBF80BF80;",
+                "=r,=r,r", [w.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
     bits = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: the sign lands on dtype's after the shift
     if dtype == tl.bfloat16:
         return ((bits << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0
