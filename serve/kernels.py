@@ -630,27 +630,39 @@ def _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE:
     return acc, acc_up, squares
 
 
+def _e4m3_ptx(shift: int, lane_mask: int) -> str:
+    """PTX making four float8 e4m3 values (their bytes in $2) two pairs of 16-bit values ($0: the first two, $1: the
+    last two; the first of each in the low lane): `prmt` spreads the bytes into 16-bit lanes, each above copies of its
+    own sign bit (selector nibbles 8-B copy a byte's sign), and one shift and one mask of `lane_mask` in each lane
+    make both lanes of a pair."""
+    mask = lane_mask << 16 | lane_mask
+    return (f"prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; shl.b32 $0, $0, {shift}; "
+            f"shl.b32 $1, $1, {shift}; and.b32 $0, $0, {mask:#x}; and.b32 $1, $1, {mask:#x};")
+
+
+# e4m3's exponent and mantissa bits moved into bf16's (fp16's) low exponent bits and high mantissa bits, the sign
+# into its sign bit: the value times 2^-120 (2^-8), exactly, subnormals and zero included.
+E4M3_TO_BF16 = tl.constexpr(_e4m3_ptx(4, 0x87F0))
+E4M3_TO_FP16 = tl.constexpr(_e4m3_ptx(7, 0xBF80))
+
+
 @jit
 def _e4m3_values(w, dtype: tl.constexpr):
     """Float8 e4m3 values -> the same in `dtype` (bf16 or fp16) times 2^-(dtype's exponent bias - 7),
     exactly: the sign, exponent and mantissa bits shifted into dtype's fields and the rest masked off (e4m3's 4
     exponent bits are the low ones of dtype's field, so its subnormals and zero stay so). Integer ops at full rate,
     where the conversion instructions (e4m3 -> fp16 -> bf16) run at a quarter: few-rows matmuls 2-9% faster at
-    Llama-3.1-8B's shapes (docs/perf.md). Compiled, four values a time in three instructions a pair (`prmt` spreads
-    each byte into a 16-bit lane above its sign's copies; one shift and one mask make both lanes), where the
-    compiler's own code for the same ops took seven. The factor, 2^-120 in bf16 and 2^-8 in fp16, comes back in
-    `_e4m3_x` and `_e4m3_unscale`."""
+    Llama-3.1-8B's shapes (docs/perf.md). Compiled, four values a time in three instructions a pair
+    (`E4M3_TO_BF16`), where the compiler's own code for the same ops took seven: with 64-row launches the few-rows
+    calls on float8 copies 10-25% faster (thirty-fifth entry). The factor, 2^-120 in bf16 and 2^-8 in fp16, comes
+    back in `_e4m3_x` and `_e4m3_unscale`."""
     if COMPILED:
         if dtype == tl.bfloat16:
-            return tl.inline_asm_elementwise(
-                "prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; shl.b32 $0, $0, 4; shl.b32 $1, $1, 4; "
-                "and.b32 $0, $0, 0x87F087F0; and.b32 $1, $1, 0x87F087F0;",
-                "=r,=r,r", [w.to(tl.int8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [w.to(tl.int8, bitcast=True)],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
         else:
-            return tl.inline_asm_elementwise(
-                "prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; shl.b32 $0, $0, 7; shl.b32 $1, $1, 7; "
-                "and.b32 $0, $0, 0xBF80BF80; and.b32 $1, $1, 0xBF80BF80;",
-                "=r,=r,r", [w.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(E4M3_TO_FP16, "=r,=r,r", [w.to(tl.int8, bitcast=True)],
+                                             dtype=tl.float16, is_pure=True, pack=4)
     bits = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: the sign lands on dtype's after the shift
     if dtype == tl.bfloat16:
         return ((bits << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0

@@ -718,6 +718,47 @@ def test_fused_linear_fp8_interpreter(interpreter, case):
     interpreter(check_fused_linear, "cpu", torch.float16, *case, True)
 
 
+def run_e4m3_ptx(ptx: str, word: int) -> tuple[int, int]:
+    """`kernels._e4m3_ptx`'s instructions (prmt, shl and and on 32-bit registers, as PTX defines them) run on one
+    input word $2 -> ($0, $1)."""
+    registers = {"$2": word}
+    for instruction in filter(None, (part.strip() for part in ptx.split(";"))):
+        op, operands = instruction.split(None, 1)
+        destination, *sources = (o.strip() for o in operands.split(","))
+        a, *rest = (registers[o] if o.startswith("$") else int(o, 0) for o in sources)
+        if op == "prmt.b32":  # each result byte: a byte of {rest[0], a} by a selector nibble, or (bit 3) its sign
+            pool = (a | rest[0] << 32).to_bytes(8, "little")
+            result = 0
+            for i in range(4):
+                nibble = rest[1] >> 4 * i & 0xF
+                byte = pool[nibble & 7]
+                result |= (0xFF * (byte >> 7) if nibble & 8 else byte) << 8 * i
+        elif op == "shl.b32":
+            result = a << rest[0] & 0xFFFFFFFF
+        else:
+            assert op == "and.b32", op
+            result = a & rest[0]
+        registers[destination] = result
+    return registers["$0"], registers["$1"]
+
+
+@pytest.mark.parametrize("ptx, dtype, factor", [(kernels.E4M3_TO_BF16, torch.bfloat16, 2.0**-120),
+                                                 (kernels.E4M3_TO_FP16, torch.float16, 2.0**-8)], ids=["bf16", "fp16"])
+def test_float8_ptx_makes_each_value_times_its_factor(ptx, dtype, factor):
+    """The compiled kernels' float8 conversion (which the CPU cannot run) gives every e4m3 value but NaN (which
+    `quantize` never makes) times the factor `_e4m3_unscale` takes back, exactly, in each of a word's four bytes."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    expected = (codes.view(torch.float8_e4m3fn).float() * factor).to(dtype).view(torch.int16).int() & 0xFFFF
+    neighbours = torch.randint(0, 256, (len(codes), 4), generator=torch.Generator().manual_seed(0))
+    for position in range(4):
+        bytes_ = neighbours.clone()
+        bytes_[:, position] = codes.int()
+        for row, want in zip(bytes_.tolist(), expected.tolist(), strict=True):
+            low, high = run_e4m3_ptx(ptx.value, int.from_bytes(bytes(row), "little"))
+            lanes = [low & 0xFFFF, low >> 16, high & 0xFFFF, high >> 16]
+            assert lanes[position] == want, f"byte {row[position]:#04x} at {position}: {lanes[position]:#06x}"
+
+
 def check_rows_kernel_launches(device, dtype):
     """`rows_kernel` at launches other than the served one (the linear benchmark's grid), with and without SiLU·mul,
     K split into more runs than it has chunks included: each gives the reference's output."""
