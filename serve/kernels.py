@@ -49,8 +49,10 @@ from .kv_cache import KVPool
 from .sampling import ProbsKernels
 
 jit = triton.jit
-# Whether the kernels are compiled (inline PTX) or run by Triton's CPU interpreter (their Python alone).
-COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# Whether Triton's CPU interpreter runs the kernels (their Python alone: no inline PTX), as Triton decides when it
+# defines them, at import.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+COMPILED = tl.constexpr(not INTERPRETED)
 
 
 def install(model: nn.Module, kernels: Kernels | None = None) -> None:
@@ -412,8 +414,8 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
     """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs, from sweeps on an H200
     (docs/perf.md): 32 weight rows a program, long chunks of K for up to 16 rows of a long K, 4 stages of loads in
     flight, 4 warps; K split as `rows_splits` says. Float8 copies take 64 weight rows and 3 stages, in chunks of 256
-    but where K, split four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v and o: 11.2-11.4 against
-    12.4-12.5 µs)."""
+    but where K, split four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5
+    µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
         tiles = triton.cdiv(N_out, 64)
         block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
@@ -654,20 +656,18 @@ def _e4m3_values(w, dtype: tl.constexpr):
     where the conversion instructions (e4m3 -> fp16 -> bf16) run at a quarter: few-rows matmuls 2-9% faster at
     Llama-3.1-8B's shapes (docs/perf.md). Compiled, four values a time in three instructions a pair
     (`E4M3_TO_BF16`), where the compiler's own code for the same ops took seven: with 64-row launches the few-rows
-    calls on float8 copies 10-25% faster (thirty-fifth entry). The factor, 2^-120 in bf16 and 2^-8 in fp16, comes
-    back in `_e4m3_x` and `_e4m3_unscale`."""
+    calls on float8 copies 7-26% faster at an 8B target's shapes (thirty-fifth entry). The factor, 2^-120 in bf16
+    and 2^-8 in fp16, comes back in `_e4m3_x` and `_e4m3_unscale`."""
+    bits = w.to(tl.int8, bitcast=True)
     if COMPILED:
+        ptx: tl.constexpr = E4M3_TO_BF16 if dtype == tl.bfloat16 else E4M3_TO_FP16
+        lanes = tl.inline_asm_elementwise(ptx, "=r,=r,r", [bits], dtype=tl.int16, is_pure=True, pack=4)
+    else:  # sign-extended, so that the sign lands on dtype's after the shift
         if dtype == tl.bfloat16:
-            return tl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [w.to(tl.int8, bitcast=True)],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+            lanes = (bits.to(tl.int16) << 4) & -0x7810  # mask 0x87F0
         else:
-            return tl.inline_asm_elementwise(E4M3_TO_FP16, "=r,=r,r", [w.to(tl.int8, bitcast=True)],
-                                             dtype=tl.float16, is_pure=True, pack=4)
-    bits = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: the sign lands on dtype's after the shift
-    if dtype == tl.bfloat16:
-        return ((bits << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0
-    else:
-        return ((bits << 7) & -0x4080).to(tl.float16, bitcast=True)  # mask 0xBF80
+            lanes = (bits.to(tl.int16) << 7) & -0x4080  # mask 0xBF80
+    return lanes.to(dtype, bitcast=True)
 
 
 @jit

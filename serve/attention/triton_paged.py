@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -39,7 +38,7 @@ _NO_MAX: tl.constexpr = tl.constexpr(-1e30)
 def available() -> bool:
     """Whether the kernels can launch here: a CUDA device, or Triton's CPU interpreter (TRITON_INTERPRET=1).
     (Importing this module already needs triton.)"""
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available() or kernels.INTERPRETED
 
 
 class TritonPagedAttention(PagedAttention):
