@@ -347,16 +347,32 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
-# Larger weights go to cuBLAS. Per call this kernel ties it on an 8B target's q/k/v and down at 8 rows, but in place
-# the two made an 8B verification 0.6-0.7 ms slower, and q/k/v alone no faster, or 0.2 ms slower with its folded
-# norm inside (docs/perf.md, thirty-first, thirty-third and thirty-fourth entries).
+ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies, and makes long calls (`long_rows`)
+# bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
+# long calls (an 8B target's q/k/v and down at verification: the folded norm and the residual add in the call, no
+# split-K reduce; the 8B (5, 4, 8) step 5.61 against 5.73-5.75 ms). Larger weights go to cuBLAS: an 8B target's
+# gate/up made that step slower (5.81 against 5.62 ms), as did q/k/v and down at 48 rows ((6, 8, 48) 6.93 against
+# 6.30 ms), and SmolLM2's lm_head (K = 576) is faster there (docs/perf.md, sixteenth and thirty-sixth entries).
 ROWS_MAX_WEIGHT = 1 << 24
-# Float8 copies are read past one row up to ROWS_FP8_MAX rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
+ROWS_LONG_MAX_WEIGHT = 1 << 26
+# Float8 copies are read past one row up to ROWS_FEW rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
 # (every weight of an 8B head): there they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs,
 # the fc 22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
 # (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes.
-ROWS_FP8_MAX = 16
 ROWS_FP8_MIN_WEIGHT = 1 << 24
+# A long call: up to ROWS_FEW rows of a weight of at least ROWS_LONG_MIN_WEIGHT entries and ROWS_LONG_MIN_K inputs.
+ROWS_LONG_MIN_WEIGHT = 1 << 24
+ROWS_LONG_MIN_K = 4096
+
+
+def long_rows(M: int, N: int, K: int) -> bool:
+    """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: programs streaming a long K for tens of µs,
+    on a grid of about one program per SM. Those launch after the kernel before has finished, not under programmatic
+    dependent launch: under it an 8B target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms where it
+    is 5.53 without (docs/perf.md, thirty-sixth entry). A likely cause, not verified, is programs placed while the
+    kernel before still holds SMs, two to some SMs and none to others. Shorter calls need PDL: SmolLM2's (8, 8, 64)
+    step took 1.65 ms against 1.40 without it, and an 8B target's o at 48 rows (6, 8, 48) 6.40 against 6.30."""
+    return M <= ROWS_FEW and N * K >= ROWS_LONG_MIN_WEIGHT and K >= ROWS_LONG_MIN_K
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -364,11 +380,12 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                 residual: Tensor | None = None, donate_residual: bool = False, quantized: Fp8Weight | None = None
                 ) -> Tensor:
     """`fused_linear` past one row (or on inputs its one-token kernel does not take): `rows_kernel` for a few rows (2
-    to ROWS_MAX: verification, a draft pass) of a small weight, or of a large one with a float8 copy (`quantized`,
-    which it then reads: ROWS_FP8_MAX), with SiLU·mul and the residual add in its epilogue; cuBLAS (and `silu_mul`)
-    with `weight` otherwise, adding a donated residual in its matmul (beta = 1, in place). The RMSNorm runs in its
-    own launch before the matmul, but for a folded one (a unit weight, `fold_norm`): its 1 / RMS, a per-row scale that
-    commutes with the matmul, scales the few-rows kernel's sums, or SiLU·mul's inputs after cuBLAS's gate/up.
+    to ROWS_MAX: verification, a draft pass) of a small weight, in a long call of a larger one (`long_rows`), or of a
+    large one with a float8 copy (`quantized`, which it then reads: ROWS_FEW), with SiLU·mul and the residual add in
+    its epilogue; cuBLAS (and `silu_mul`) with `weight` otherwise, adding a donated residual in its matmul (beta = 1,
+    in place). The RMSNorm runs in its own launch before the matmul, but for a folded one (a unit weight,
+    `fold_norm`): its 1 / RMS, a per-row scale that commutes with the matmul, scales the few-rows kernel's sums, or
+    SiLU·mul's inputs after cuBLAS's gate/up.
     x [..., K], weight [N, K], residual [..., N] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
@@ -394,7 +411,8 @@ def rows_operands(x: Tensor, weight: Tensor, quantized: Fp8Weight | None) -> tup
     M = x.numel() // K
     if quantized is not None and not reads_fp8_rows(M, N, K):
         quantized = None
-    takes = (2 <= M <= ROWS_MAX and (N * K <= ROWS_MAX_WEIGHT or quantized is not None)
+    largest = ROWS_LONG_MAX_WEIGHT if long_rows(M, N, K) else ROWS_MAX_WEIGHT
+    takes = (2 <= M <= ROWS_MAX and (N * K <= largest or quantized is not None)
              and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
     return takes, quantized
 
@@ -428,15 +446,15 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
                 quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
                 norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
-    benchmark sweeps them): tensor cores, in the programmatic dependent launches (cuBLAS's cannot join them), the
-    first weights loaded before waiting on the kernel before, SiLU·mul of the output's halves (`silu_mul_output`, a
-    joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the
-    epilogue, reading the float8 copy `quantized` where given. Weights of few output columns split K over several
-    programs (`rows_splits`). `norm` = (weight or None, eps): x goes through that RMSNorm first, in a launch of its
-    own but for a folded norm (unit weight, `fold_norm`) before an unsplit launch on a bf16/fp16 weight, which
-    applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A split program sees part of K; with float8
-    copies either way of summing the squares made an 8B head's (5, 4, 8) step 0.3 ms slower: docs/perf.md,
-    thirty-fourth entry.)
+    benchmark sweeps them): tensor cores, under programmatic dependent launch but for long calls (`long_rows`;
+    cuBLAS's launches cannot join them), the first weights loaded before waiting on the kernel before, SiLU·mul of
+    the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two)
+    and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given. Weights of few
+    output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes through
+    that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an unsplit
+    launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A split
+    program sees part of K; with float8 copies either way of summing the squares made an 8B head's (5, 4, 8) step
+    0.3 ms slower: docs/perf.md, thirty-fourth entry.)
     x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]; residual
     [..., N] (N / 2 with SiLU·mul)."""
     N, K = weight.shape
@@ -464,14 +482,14 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **launch_options(x.device),
+        **({"PDL": False} if long_rows(M, N, K) else launch_options(x.device)),
     )
     return out
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
     """Whether `rows_matmul` reads a float8 copy of a weight [N, K] at M rows (2 <= M <= ROWS_MAX)."""
-    return M <= ROWS_FP8_MAX and N * K >= ROWS_FP8_MIN_WEIGHT
+    return M <= ROWS_FEW and N * K >= ROWS_FP8_MIN_WEIGHT
 
 
 SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_splits` splits

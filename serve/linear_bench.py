@@ -5,17 +5,17 @@ on the weight shapes of an architecture's target (random weights), at verificati
 
 Each call runs inside a CUDA graph over distinct copies of its weight, at least 256 MB of them in all, so no call
 reads its weight from L2 (50 MB on an H200); µs a call is the median replay's time over the copies. The kernel runs as
-served, with programmatic dependent launch, so a call may start loading while the one before finishes, as it does
-between the served model's kernels; cuBLAS cannot. cuBLAS is `F.linear`, and `silu_mul` after the joint gate/up
-(the served path's two launches there). With `--fp8` the kernel reads float8 copies (`serve/fp8.py`), as a draft
-head's with `--draft-fp8`, and cuBLAS the bf16 weight.
+served: under programmatic dependent launch but for long calls (`kernels.long_rows`), so a call may
+start loading while the one before finishes, as it does between the served model's kernels; cuBLAS cannot. cuBLAS is
+`F.linear`, and `silu_mul` after the joint gate/up (the served path's two launches there). With `--fp8` the kernel
+reads float8 copies (`serve/fp8.py`), as a draft head's with `--draft-fp8`, and cuBLAS the bf16 weight.
 
 A table row per weight and row count: cuBLAS, the served launch (`rows_launch`), the grid's fastest and its launch
 (BLOCK_N, BLOCK_K, stages, warps, splits; splits as launched: equal runs of whole chunks of K, and none over more
 tiles than the kernel has counters for); `--all` prints every launch of the grid. A launch whose stages of tiles need
-more shared memory than an SM has is listed, untimed, under its row. Per-call times can mislead (in
-docs/perf.md, launches within 1 µs of cuBLAS a call made verification half a millisecond slower in place), so a
-launch that wins here is then measured in `bench-eagle`'s steps.
+more shared memory than an SM has is listed, untimed, under its row. Per-call times can mislead (in docs/perf.md,
+launches within 1 µs of cuBLAS a call made verification 0.6–1 ms slower in place under programmatic dependent
+launch, and 0.1 ms faster without it), so a launch that wins here is then measured in `bench-eagle`'s steps.
 
 With `--resources` nothing runs and no GPU is needed: each launch is compiled for sm_90 (`hopper_compile`) and the
 table gives a thread's registers and the bytes of stack its spilled values take, served launch first: the kernel

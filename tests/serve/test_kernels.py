@@ -37,7 +37,7 @@ from eyas.common.layers import (
 )
 from eyas.common.target import TargetModel
 from eyas.serve import accept, sampling, tree, verify
-from eyas.serve.fp8 import Fp8Weight, Fp8Weights, dequantize, quantize
+from eyas.serve.fp8 import E4M3, Fp8Weight, Fp8Weights, dequantize, quantize
 from eyas.serve.kv_cache import KVPool
 from eyas.serve.verify import verify_greedy
 from tests import triton_interpreter
@@ -797,6 +797,43 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
     assert served_grid == (-(-80 // served.block_n), served.splits)
     assert (served_options["BLOCK_N"], served_options["BLOCK_K"], served_options["num_stages"],
             served_options["num_warps"]) == served[:4]
+
+
+def test_rows_operands_take_large_weights_only_in_long_calls():
+    """bf16 weights of up to ROWS_MAX_WEIGHT entries go to the few-rows kernel at 2 to ROWS_MAX rows, larger ones of up
+    to ROWS_LONG_MAX_WEIGHT only as long calls (`long_rows`: an 8B target's q/k/v and down at verification, not
+    SmolLM2's lm_head); float8 copies of large weights are read up to ROWS_FEW rows; the rest goes to cuBLAS."""
+    def takes(rows, N, K, fp8=False):
+        weight = torch.empty(N, K, dtype=torch.bfloat16, device="meta")
+        copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device="meta"), torch.empty(N, device="meta")) if fp8 else None
+        taken, read = kernels.rows_operands(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"), weight, copy)
+        assert read is (copy if taken and fp8 else None)
+        return taken
+
+    assert takes(8, 6144, 4096) and takes(2, 4096, 14336) and takes(16, 4096, 14336)
+    assert not takes(17, 4096, 14336) and not takes(48, 6144, 4096) and takes(64, 4096, 4096)
+    assert not takes(1, 4096, 4096) and not takes(65, 4096, 4096) and not takes(8, 28672, 4096)
+    assert not takes(8, 49152, 576) and takes(8, 49152, 576, fp8=True)
+    assert takes(16, 28672, 4096, fp8=True) and not takes(17, 28672, 4096, fp8=True)
+
+
+def test_rows_kernel_launches_long_calls_after_the_kernel_before(monkeypatch):
+    """Under programmatic dependent launch a long call (`long_rows`: few rows of a large weight over a long K)
+    launches without it (the 8B step is faster so), any other with it: a smaller weight, a shorter K, more rows."""
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(options)
+
+    monkeypatch.setattr(kernels, "_rows_matmul_kernel", Recorder())
+    monkeypatch.setattr(kernels, "launch_options", lambda device: {"PDL": True, "launch_pdl": True})
+    for rows, N, K in [(16, 4096, 4096), (16, 4095, 4096), (16, 32768, 512), (17, 4096, 4096)]:
+        kernels.rows_kernel(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"),
+                            torch.empty(N, K, dtype=torch.bfloat16, device="meta"))
+    long, *others = launched
+    assert not long["PDL"] and not long.get("launch_pdl", False)
+    assert all(options["PDL"] and options["launch_pdl"] for options in others)
 
 
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
