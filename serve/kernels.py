@@ -370,8 +370,9 @@ def long_rows(M: int, N: int, K: int) -> bool:
     on a grid of about one program per SM. Those launch after the kernel before has finished, not under programmatic
     dependent launch: under it an 8B target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms where it
     is 5.53 without (docs/perf.md, thirty-sixth entry). A likely cause, not verified, is programs placed while the
-    kernel before still holds SMs, two to some SMs and none to others. Shorter calls need PDL: SmolLM2's (8, 8, 64)
-    step took 1.65 ms against 1.40 without it, and an 8B target's o at 48 rows (6, 8, 48) 6.40 against 6.30."""
+    kernel before still holds SMs, two or three to some SMs (72 KB of shared memory each) and none to others.
+    Shorter calls need PDL: SmolLM2's (8, 8, 64) step took 1.65 ms against 1.40 without it, and an 8B target's o at
+    48 rows (120 KB a program: one an SM) (6, 8, 48) 6.40 against 6.30."""
     return M <= ROWS_FEW and N * K >= ROWS_LONG_MIN_WEIGHT and K >= ROWS_LONG_MIN_K
 
 
