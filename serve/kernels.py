@@ -347,7 +347,7 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
-ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies, and makes long calls (`long_rows`)
+ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies, and makes long calls (`long_call`)
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
 # long calls (an 8B target's q/k/v and down at verification: the folded norm and the residual add in the call, no
 # split-K reduce; the 8B (5, 4, 8) step 5.61 against 5.73-5.75 ms). Larger weights go to cuBLAS: an 8B target's
@@ -365,7 +365,7 @@ ROWS_LONG_MIN_WEIGHT = 1 << 24
 ROWS_LONG_MIN_K = 4096
 
 
-def long_rows(M: int, N: int, K: int) -> bool:
+def long_call(M: int, N: int, K: int) -> bool:
     """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: programs streaming a long K for tens of µs,
     on a grid of about one program per SM. Those launch after the kernel before has finished, not under programmatic
     dependent launch: under it an 8B target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms where it
@@ -381,7 +381,7 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                 residual: Tensor | None = None, donate_residual: bool = False, quantized: Fp8Weight | None = None
                 ) -> Tensor:
     """`fused_linear` past one row (or on inputs its one-token kernel does not take): `rows_kernel` for a few rows (2
-    to ROWS_MAX: verification, a draft pass) of a small weight, in a long call of a larger one (`long_rows`), or of a
+    to ROWS_MAX: verification, a draft pass) of a small weight, in a long call of a larger one (`long_call`), or of a
     large one with a float8 copy (`quantized`, which it then reads: ROWS_FEW), with SiLU·mul and the residual add in
     its epilogue; cuBLAS (and `silu_mul`) with `weight` otherwise, adding a donated residual in its matmul (beta = 1,
     in place). The RMSNorm runs in its own launch before the matmul, but for a folded one (a unit weight,
@@ -412,7 +412,7 @@ def rows_operands(x: Tensor, weight: Tensor, quantized: Fp8Weight | None) -> tup
     M = x.numel() // K
     if quantized is not None and not reads_fp8_rows(M, N, K):
         quantized = None
-    largest = ROWS_LONG_MAX_WEIGHT if long_rows(M, N, K) else ROWS_MAX_WEIGHT
+    largest = ROWS_LONG_MAX_WEIGHT if long_call(M, N, K) else ROWS_MAX_WEIGHT
     takes = (2 <= M <= ROWS_MAX and (N * K <= largest or quantized is not None)
              and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
     return takes, quantized
@@ -447,7 +447,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
                 quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
                 norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
-    benchmark sweeps them): tensor cores, under programmatic dependent launch but for long calls (`long_rows`;
+    benchmark sweeps them): tensor cores, under programmatic dependent launch but for long calls (`long_call`;
     cuBLAS's launches cannot join them), the first weights loaded before waiting on the kernel before, SiLU·mul of
     the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two)
     and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given. Weights of few
@@ -483,7 +483,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **({"PDL": False} if long_rows(M, N, K) else launch_options(x.device)),
+        **({"PDL": False} if long_call(M, N, K) else launch_options(x.device)),
     )
     return out
 

@@ -801,7 +801,7 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
 
 def test_rows_operands_take_large_weights_only_in_long_calls():
     """bf16 weights of up to ROWS_MAX_WEIGHT entries go to the few-rows kernel at 2 to ROWS_MAX rows, larger ones of up
-    to ROWS_LONG_MAX_WEIGHT only as long calls (`long_rows`: an 8B target's q/k/v and down at verification, not
+    to ROWS_LONG_MAX_WEIGHT only as long calls (`long_call`: an 8B target's q/k/v and down at verification, not
     SmolLM2's lm_head); float8 copies of large weights are read up to ROWS_FEW rows; the rest goes to cuBLAS."""
     def takes(rows, N, K, fp8=False):
         weight = torch.empty(N, K, dtype=torch.bfloat16, device="meta")
@@ -818,7 +818,7 @@ def test_rows_operands_take_large_weights_only_in_long_calls():
 
 
 def test_rows_kernel_launches_long_calls_after_the_kernel_before(monkeypatch):
-    """Under programmatic dependent launch a long call (`long_rows`: few rows of a large weight over a long K)
+    """Under programmatic dependent launch a long call (`long_call`: few rows of a large weight over a long K)
     launches without it (the 8B step is faster so), any other with it: a smaller weight, a shorter K, more rows."""
     launched = []
 
