@@ -4,7 +4,7 @@ At batch 1 a draft pass is a few rows against every weight of the head, so its t
 Llama-3.1-8B's shape about 750 MB a pass in bf16 (q/k/v, o, gate/up, down and a 32,000-row lm_head). Here each
 weight of the head's own linear layers is stored as float8 e4m3 values with a power-of-two scale per output row,
 and the engine's one-row kernel reads those, as does its few-rows kernel at up to 16 rows of large weights
-(`kernels.fused_linear` with an `Fp8Weights` table; `kernels.ROWS_FP8_MIN_WEIGHT` says why only those).
+(`kernels.fused_linear` with an `Fp8Weights` table; `kernels.reads_fp8_rows` says why only those).
 
 The head keeps one set of values. Each weight is replaced by its float8 values times their scale in the weight's own
 dtype: an e4m3 value has 4 significant bits and a power-of-two scale moves only its exponent, so that is exact in

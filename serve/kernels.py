@@ -347,33 +347,29 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
-ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies, and makes long calls (`long_call`)
+ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies of large weights, and makes long calls
+ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weight of an 8B head, none of SmolLM2's
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
 # long calls (an 8B target's q/k/v and down at verification: the folded norm and the residual add in the call, no
 # split-K reduce; the 8B (5, 4, 8) step 5.61 against 5.73-5.75 ms). Larger weights go to cuBLAS: an 8B target's
 # gate/up made that step slower (5.81 against 5.62 ms), as did q/k/v and down at 48 rows ((6, 8, 48) 6.93 against
-# 6.30 ms), and SmolLM2's lm_head (K = 576) is faster there (docs/perf.md, sixteenth and thirty-sixth entries).
+# 6.30 ms, launched without PDL), and SmolLM2's lm_head (K = 576) is faster there (docs/perf.md, sixteenth and
+# thirty-sixth entries).
 ROWS_MAX_WEIGHT = 1 << 24
 ROWS_LONG_MAX_WEIGHT = 1 << 26
-# Float8 copies are read past one row up to ROWS_FEW rows, of weights of at least ROWS_FP8_MIN_WEIGHT entries
-# (every weight of an 8B head): there they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs,
-# the fc 22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
-# (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes.
-ROWS_FP8_MIN_WEIGHT = 1 << 24
-# A long call: up to ROWS_FEW rows of a weight of at least ROWS_LONG_MIN_WEIGHT entries and ROWS_LONG_MIN_K inputs.
-ROWS_LONG_MIN_WEIGHT = 1 << 24
-ROWS_LONG_MIN_K = 4096
+ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
 
 
 def long_call(M: int, N: int, K: int) -> bool:
-    """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: programs streaming a long K for tens of µs,
-    on a grid of about one program per SM. Those launch after the kernel before has finished, not under programmatic
-    dependent launch: under it an 8B target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms where it
-    is 5.53 without (docs/perf.md, thirty-sixth entry). A likely cause, not verified, is programs placed while the
-    kernel before still holds SMs, two or three to some SMs (72 KB of shared memory each) and none to others.
-    Shorter calls need PDL: SmolLM2's (8, 8, 64) step took 1.65 ms against 1.40 without it, and an 8B target's o at
-    48 rows (120 KB a program: one an SM) (6, 8, 48) 6.40 against 6.30."""
-    return M <= ROWS_FEW and N * K >= ROWS_LONG_MIN_WEIGHT and K >= ROWS_LONG_MIN_K
+    """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: up to ROWS_FEW rows of a large weight over
+    at least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM.
+    Those launch after the kernel before has finished, not under programmatic dependent launch: under it an 8B
+    target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms (5.69 on cuBLAS), and without it 5.53
+    (docs/perf.md, thirty-sixth entry). A likely cause, not verified, is programs placed while the kernel before
+    still holds SMs, two or three to some SMs (72 KB of shared memory each) and none to others. Shorter calls need
+    PDL: without it SmolLM2's (8, 8, 64) step took 1.65 ms against 1.40, and an 8B target's (6, 8, 48) 6.40 against
+    6.30 for its o at 48 rows (120 KB a program: one an SM)."""
+    return M <= ROWS_FEW and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -489,8 +485,11 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
-    """Whether `rows_matmul` reads a float8 copy of a weight [N, K] at M rows (2 <= M <= ROWS_MAX)."""
-    return M <= ROWS_FEW and N * K >= ROWS_FP8_MIN_WEIGHT
+    """Whether `rows_matmul` reads a float8 copy of a weight [N, K] at M rows (2 <= M <= ROWS_MAX): of a large weight
+    up to ROWS_FEW rows. There they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs, the fc
+    22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
+    (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes."""
+    return M <= ROWS_FEW and N * K >= ROWS_LARGE_WEIGHT
 
 
 SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_splits` splits
