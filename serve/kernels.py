@@ -350,11 +350,11 @@ ROWS_MAX = 64  # more rows: cuBLAS
 ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies of large weights, and makes long calls
 ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weight of an 8B head, none of SmolLM2's
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
-# long calls (an 8B target's q/k/v and down at verification: the folded norm and the residual add in the call, no
-# split-K reduce; the 8B (5, 4, 8) step 5.61 against 5.73-5.75 ms). Larger weights go to cuBLAS: an 8B target's
-# gate/up made that step slower (5.81 against 5.62 ms), as did q/k/v and down at 48 rows ((6, 8, 48) 6.93 against
-# 6.30 ms, launched without PDL), and SmolLM2's lm_head (K = 576) is faster there (docs/perf.md, sixteenth and
-# thirty-sixth entries).
+# long calls, a joint gate/up weight counting as one of its halves (an 8B target's q/k/v, gate/up and down at
+# verification: the folded norm, SiLU·mul and the residual add in the call, no split-K reduce; the 8B (5, 4, 8) step
+# 5.61 against 5.73-5.75 ms with q/k/v and down, 5.49 against 5.54 with gate/up too). Larger weights go to cuBLAS:
+# q/k/v and down at 48 rows made the (6, 8, 48) step slower (6.93 against 6.30 ms, launched without PDL), and
+# SmolLM2's lm_head (K = 576) is faster there (docs/perf.md, sixteenth, thirty-sixth and thirty-seventh entries).
 ROWS_MAX_WEIGHT = 1 << 24
 ROWS_LONG_MAX_WEIGHT = 1 << 26
 ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
@@ -365,10 +365,11 @@ def long_call(M: int, N: int, K: int) -> bool:
     at least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM.
     Those launch after the kernel before has finished, not under programmatic dependent launch: under it an 8B
     target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms (5.69 on cuBLAS), and without it 5.53
-    (docs/perf.md, thirty-sixth entry). A likely cause, not verified, is programs placed while the kernel before
-    still holds SMs, two or three to some SMs (72 KB of shared memory each) and none to others. Shorter calls need
-    PDL: without it SmolLM2's (8, 8, 64) step took 1.65 ms against 1.40, and an 8B target's (6, 8, 48) 6.40 against
-    6.30 for its o at 48 rows (120 KB a program: one an SM)."""
+    (docs/perf.md, thirty-sixth entry). The cause is placement: where the kernel before lets a long call launch at
+    once, its programs can land three to an SM (72 KB of shared memory each) on a third of the SMs, and a down took
+    51 against 34 µs (thirty-seventh entry). Shorter calls need PDL: without it SmolLM2's (8, 8, 64) step took 1.65
+    ms against 1.40, and an 8B target's (6, 8, 48) 6.40 against 6.30 for its o at 48 rows (120 KB a program: one an
+    SM)."""
     return M <= ROWS_FEW and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
 
 
@@ -386,7 +387,7 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     x [..., K], weight [N, K], residual [..., N] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
-    takes_rows, quantized = rows_operands(x, weight, quantized)
+    takes_rows, quantized = rows_operands(x, weight, quantized, silu_mul_output)
     if takes_rows:
         return rows_kernel(x, weight, bias, silu_mul_output, quantized, residual=residual, norm=norm)
     if norm is not None and norm[0] is None and silu_mul_output and bias is None and residual is None:
@@ -401,15 +402,19 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     return y if residual is None else residual + y
 
 
-def rows_operands(x: Tensor, weight: Tensor, quantized: Fp8Weight | None) -> tuple[bool, Fp8Weight | None]:
-    """Whether `rows_matmul` runs x [..., K] @ weight [N, K]ᵀ in `rows_kernel`, and the float8 copy that reads
-    (`quantized` where it reads one, else None)."""
+def rows_operands(x: Tensor, weight: Tensor, quantized: Fp8Weight | None, silu_mul_output: bool
+                  ) -> tuple[bool, Fp8Weight | None]:
+    """Whether `rows_matmul` runs x [..., K] @ weight [N, K]ᵀ (through SiLU·mul with `silu_mul_output`) in
+    `rows_kernel`, and the float8 copy that reads (`quantized` where it reads one, else None). A joint gate/up weight
+    is bounded by one half's entries: its call reads both halves, but in one launch where cuBLAS and `silu_mul` take
+    two."""
     N, K = weight.shape
     M = x.numel() // K
     if quantized is not None and not reads_fp8_rows(M, N, K):
         quantized = None
     largest = ROWS_LONG_MAX_WEIGHT if long_call(M, N, K) else ROWS_MAX_WEIGHT
-    takes = (2 <= M <= ROWS_MAX and (N * K <= largest or quantized is not None)
+    entries = N * K // (2 if silu_mul_output else 1)
+    takes = (2 <= M <= ROWS_MAX and (entries <= largest or quantized is not None)
              and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
     return takes, quantized
 
@@ -425,17 +430,22 @@ class RowsLaunch(NamedTuple):
     splits: int
 
 
-def rows_launch(M: int, N_out: int, K: int, float8: bool) -> RowsLaunch:
-    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs, from sweeps on an H200
-    (docs/perf.md): 32 weight rows a program, long chunks of K for up to 16 rows of a long K, 4 stages of loads in
-    flight, 4 warps; K split as `rows_splits` says. Float8 copies take 64 weight rows and 3 stages, in chunks of 256
-    but where K, split four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5
-    µs; o: 8.8-9.1 against 9.2-9.4)."""
+def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool) -> RowsLaunch:
+    """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (of each half of a joint gate/up
+    weight with `silu_mul`), from sweeps on an H200 (docs/perf.md): 32 weight rows a program, long chunks of K for up
+    to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as `rows_splits` says. A long call through
+    SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB of shared memory: four programs fit an SM, where the
+    32 x 256 launch's 120 KB fit one; an 8B target's gate/up at 8 rows 60.8 against 65.6 µs, cuBLAS and `silu_mul`
+    58.9). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a
+    program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
         tiles = triton.cdiv(N_out, 64)
         block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
         return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
-    block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
+    if silu_mul and long_call(M, 2 * N_out, K):
+        block_n, block_k = 64, 64
+    else:
+        block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
     return RowsLaunch(block_n, block_k, 4, 4, rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), False))
 
 
@@ -460,7 +470,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
-    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None)  # splits: equal runs
+    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None, silu_mul_output)
     block_n, block_k, stages, warps, splits = launch
     if norm is not None and (norm[0] is not None or splits > 1 or quantized is not None):
         rows, norm = rms_norm(rows, *norm), None

@@ -87,7 +87,7 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
             return None
 
     N_out = N // 2 if silu else N
-    served = kernels.rows_launch(rows, N_out, K, fp8)
+    served = kernels.rows_launch(rows, N_out, K, fp8, silu)
     return dict(N=N, K=K, silu=silu, rows=rows, fp8=fp8, cublas_us=us_per_call(cublas, copies),
                 served_us=us_per_call(kernel(served), copies), served_launch=served,
                 grid=[(run, timed(run)) for run in as_launched(launches, N_out, K)])
@@ -191,7 +191,7 @@ def print_resources(args, shapes: dict, launches: list[kernels.RowsLaunch]) -> N
         N, K, silu = shapes[name]
         N_out = N // 2 if silu else N
         for rows in args.rows:
-            served = kernels.rows_launch(rows, N_out, K, args.fp8)
+            served = kernels.rows_launch(rows, N_out, K, args.fp8, silu)
             grid = [served] + [run for run in as_launched(launches, N_out, K) if run != served]
             for launch, used in launch_resources(N, K, silu, rows, grid, args.fp8):
                 mark = "*" if launch == served else " "

@@ -481,8 +481,9 @@ def test_norm_cat_cuda(dtype, rows, n, strided):
 
 
 # Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel), 8 (a tree's
-# verification: o in `rows_matmul`, gate/up and down on cuBLAS) and 48 (cuBLAS). The residual stream is added by o and
-# down ("donated": cuBLAS adds in place); the norms before q/k/v and gate/up are whole or folded ("unit").
+# verification: the four projections as long calls of `rows_kernel`, the lm_head on cuBLAS) and 48 (cuBLAS but o).
+# The residual stream is added by o and down ("donated": cuBLAS adds in place); the norms before q/k/v and gate/up
+# are whole or folded ("unit").
 LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, False, False, False, True),
                (1, 28672, 4096, "unit", True, False, False), (1, 4096, 14336, False, False, False, "donated"),
                (1, 128256, 4096, True, False, False, False), (1, 960, 576, True, False, True, False),
@@ -494,7 +495,7 @@ LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, Fal
                (2, 960, 576, True, False, True, False), (8, 3072, 576, "unit", True, False, False),
                (17, 576, 1536, False, False, True, True), (8, 576, 1536, False, False, False, "donated"),
                (64, 960, 576, "unit", False, False, False), (8, 3072, 576, False, True, True, False)]
-# rows, N, K, norm, silu, bias, residual; past one row, weights up to 2^24 entries go to `rows_matmul`
+# rows, N, K, norm, silu, bias, residual; past one row, `rows_operands` routes them
 # Float8 copies (`--draft-fp8`) at a Llama-3.1-8B EAGLE-3 head's shapes: q/k/v on the 2H input, gate/up, down, the
 # 32,000-row lm_head with the final norm, fc, o; one row (a chain's pass), 4 to 8 (a tree's, K split over 2 or 4
 # programs but for the lm_head), 48 (cuBLAS on the rounded weight); and SmolLM2's (past one row, its rounded weight).
@@ -793,7 +794,7 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
     assert grid == (3, 5)  # 40 outputs over 16 a program; 10 chunks of 32 in 5 runs of 2 (7 would leave 1 empty)
     assert (options["BLOCK_N"], options["BLOCK_K"], options["num_stages"], options["num_warps"]) == (16, 32, 3, 8)
     assert options["SPLITS"] == 5 and options["SILU_MUL"]
-    served = kernels.rows_launch(5, 80, 300, False)
+    served = kernels.rows_launch(5, 80, 300, False, False)
     assert served_grid == (-(-80 // served.block_n), served.splits)
     assert (served_options["BLOCK_N"], served_options["BLOCK_K"], served_options["num_stages"],
             served_options["num_warps"]) == served[:4]
@@ -801,18 +802,22 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
 
 def test_rows_operands_take_large_weights_only_in_long_calls():
     """bf16 weights of up to ROWS_MAX_WEIGHT entries go to the few-rows kernel at 2 to ROWS_MAX rows, larger ones of up
-    to ROWS_LONG_MAX_WEIGHT only as long calls (`long_call`: an 8B target's q/k/v and down at verification, not
-    SmolLM2's lm_head); float8 copies of large weights are read up to ROWS_FEW rows; the rest goes to cuBLAS."""
-    def takes(rows, N, K, fp8=False):
+    to ROWS_LONG_MAX_WEIGHT only as long calls (`long_call`: an 8B target's q/k/v, down and gate/up, bounded by one
+    half's entries through SiLU·mul, at verification; not SmolLM2's lm_head, nor a 32,000-row lm_head of the gate/up's
+    entries); float8 copies of large weights are read up to ROWS_FEW rows; the rest goes to cuBLAS."""
+    def takes(rows, N, K, fp8=False, silu=False):
         weight = torch.empty(N, K, dtype=torch.bfloat16, device="meta")
         copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device="meta"), torch.empty(N, device="meta")) if fp8 else None
-        taken, read = kernels.rows_operands(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"), weight, copy)
+        x = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
+        taken, read = kernels.rows_operands(x, weight, copy, silu)
         assert read is (copy if taken and fp8 else None)
         return taken
 
     assert takes(8, 6144, 4096) and takes(2, 4096, 14336) and takes(16, 4096, 14336)
     assert not takes(17, 4096, 14336) and not takes(48, 6144, 4096) and takes(64, 4096, 4096)
-    assert not takes(1, 4096, 4096) and not takes(65, 4096, 4096) and not takes(8, 28672, 4096)
+    assert not takes(1, 4096, 4096) and not takes(65, 4096, 4096)
+    assert takes(8, 28672, 4096, silu=True) and not takes(8, 28672, 4096) and not takes(8, 32000, 4096)
+    assert not takes(17, 28672, 4096, silu=True) and not takes(8, 57344, 4096, silu=True)
     assert not takes(8, 49152, 576) and takes(8, 49152, 576, fp8=True)
     assert takes(16, 28672, 4096, fp8=True) and not takes(17, 28672, 4096, fp8=True)
 

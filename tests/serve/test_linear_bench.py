@@ -61,7 +61,8 @@ def test_resources_lists_the_served_launch_then_each_of_the_grid_compiled_withou
     grid = [f"(32, {k}, 4, {w}, 1)" for k in (64, 128) for w in (4, 8)]
     for name, N, K in [("gate_up", 3072, 576), ("down", 576, 1536)]:
         listed = [row for row in rows if row[0] == name]
-        served = "*" + str(tuple(kernels.rows_launch(64, N // 2 if name == "gate_up" else N, K, fp8)))
+        silu = name == "gate_up"
+        served = "*" + str(tuple(kernels.rows_launch(64, N // 2 if silu else N, K, fp8, silu)))
         assert listed[0][5] == served and not any(row[5].startswith("*") for row in listed[1:])
         assert sorted(row[5].lstrip("*") for row in listed) == sorted(set(grid + [served[1:]]))
         assert all(0 < int(row[3]) <= 255 and int(row[4]) >= 0 for row in listed)  # registers, stack bytes
