@@ -120,6 +120,7 @@ def build_ir(launch: Launch) -> None:
 class Resources(NamedTuple):
     registers: int  # a thread's (255 at most on Hopper)
     stack: int  # bytes of a thread's stack frame: the values spilled from registers when they run out
+    shared: int  # bytes of shared memory a program asks (its stages of tiles); an SM holds 228 KB, 1 KB more a program
 
 
 def compile_launch(launch: Launch):
@@ -132,7 +133,7 @@ def compile_launch(launch: Launch):
 
 def resources(launch: Launch) -> Resources:
     """Compiles `launch` for sm_90 and reads its registers and stack from the cubin (with the cuobjdump that the
-    triton wheel carries beside ptxas)."""
+    triton wheel carries beside ptxas), and its shared memory from the compiler's metadata."""
     import triton
 
     compiled = compile_launch(launch)
@@ -143,4 +144,4 @@ def resources(launch: Launch) -> Resources:
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert found, f"no registers in cuobjdump's report of {launch.kernel}:\n{usage}"
-    return Resources(int(found[1]), int(found[2]))
+    return Resources(int(found[1]), int(found[2]), compiled.metadata.shared)

@@ -18,7 +18,8 @@ launches within 1 µs of cuBLAS a call made verification 0.6–1 ms slower in pl
 launch, and 0.1 ms faster without it), so a launch that wins here is then measured in `bench-eagle`'s steps.
 
 With `--resources` nothing runs and no GPU is needed: each launch is compiled for sm_90 (`hopper_compile`) and the
-table gives a thread's registers and the bytes of stack its spilled values take, served launch first: the kernel
+table gives a thread's registers, the bytes of stack its spilled values take and a program's KB of shared memory
+(which bound how many programs share an SM), served launch first: the kernel
 the GPU's launcher would build (aligned pointers and sizes divisible by 16 marked so), by this machine's Triton.
 
     python -m eyas.serve.linear_bench --arch smollm2-135m --rows 64 --block-k 64 128 --warps 4 8 --resources
@@ -104,8 +105,8 @@ def meta_operands(N: int, K: int, rows: int, fp8: bool) -> tuple[torch.Tensor, t
 
 def launch_resources(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLaunch], fp8: bool
                      ) -> list[tuple[kernels.RowsLaunch, hopper_compile.Resources]]:
-    """A thread's registers and stack in each of `launches` of `rows_kernel` at a weight [N, K] and `rows` rows,
-    compiled for sm_90 (the launches recorded on meta tensors)."""
+    """A thread's registers and stack, and a program's shared memory, in each of `launches` of `rows_kernel` at a
+    weight [N, K] and `rows` rows, compiled for sm_90 (the launches recorded on meta tensors)."""
     x, weight, copy = meta_operands(N, K, rows, fp8)
     found = []
     for launch in launches:
@@ -184,9 +185,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_resources(args, shapes: dict, launches: list[kernels.RowsLaunch]) -> None:
     """--resources: a row per weight, row count and launch (the served one first, marked *)."""
-    print(f"a thread's registers and stack bytes, {args.arch}, {'float8' if args.fp8 else 'bf16'} weights, compiled "
-          "for sm_90; launch = (BLOCK_N, BLOCK_K, stages, warps, splits)")
-    print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'regs':>5} {'stack':>6}  launch")
+    print(f"a thread's registers and stack bytes, a program's KB of shared memory, {args.arch}, "
+          f"{'float8' if args.fp8 else 'bf16'} weights, compiled for sm_90; launch = (BLOCK_N, BLOCK_K, stages, warps, "
+          "splits)")
+    print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'regs':>5} {'stack':>6} {'smem':>5}  launch")
     for name in args.weights:
         N, K, silu = shapes[name]
         N_out = N // 2 if silu else N
@@ -195,7 +197,8 @@ def print_resources(args, shapes: dict, launches: list[kernels.RowsLaunch]) -> N
             grid = [served] + [run for run in as_launched(launches, N_out, K) if run != served]
             for launch, used in launch_resources(N, K, silu, rows, grid, args.fp8):
                 mark = "*" if launch == served else " "
-                print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {used.registers:>5} {used.stack:>6} {mark}{tuple(launch)}")
+                print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {used.registers:>5} {used.stack:>6} "
+                      f"{used.shared / 1024:>5.0f} {mark}{tuple(launch)}")
 
 
 if __name__ == "__main__":

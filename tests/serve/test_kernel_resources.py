@@ -77,6 +77,6 @@ def test_a_long_call_through_silu_mul_fits_four_programs_an_sm():
 
     def shared_memory(launch):
         (spec,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight, None, True, launch=launch))
-        return hopper_compile.compile_launch(spec).metadata.shared + 1024
+        return hopper_compile.resources(spec).shared + 1024
 
     assert 4 * shared_memory(None) <= SM_SHARED_MEMORY < 2 * shared_memory(kernels.RowsLaunch(32, 256, 4, 4, 1))

@@ -57,15 +57,16 @@ def test_resources_lists_the_served_launch_then_each_of_the_grid_compiled_withou
     linear_bench.main(["--arch", "smollm2-135m", "--rows", "64", "--weights", "gate_up", "down", "--block-n", "32",
                        "--block-k", "64", "128", "--stages", "4", "--warps", "4", "8", "--splits", "1", "--resources"]
                       + ["--fp8"] * fp8)
-    rows = [line.split(maxsplit=5) for line in capsys.readouterr().out.splitlines()[2:]]
+    rows = [line.split(maxsplit=6) for line in capsys.readouterr().out.splitlines()[2:]]
     grid = [f"(32, {k}, 4, {w}, 1)" for k in (64, 128) for w in (4, 8)]
     for name, N, K in [("gate_up", 3072, 576), ("down", 576, 1536)]:
         listed = [row for row in rows if row[0] == name]
         silu = name == "gate_up"
         served = "*" + str(tuple(kernels.rows_launch(64, N // 2 if silu else N, K, fp8, silu)))
-        assert listed[0][5] == served and not any(row[5].startswith("*") for row in listed[1:])
-        assert sorted(row[5].lstrip("*") for row in listed) == sorted(set(grid + [served[1:]]))
+        assert listed[0][6] == served and not any(row[6].startswith("*") for row in listed[1:])
+        assert sorted(row[6].lstrip("*") for row in listed) == sorted(set(grid + [served[1:]]))
         assert all(0 < int(row[3]) <= 255 and int(row[4]) >= 0 for row in listed)  # registers, stack bytes
+        assert all(0 < int(row[5]) <= 227 for row in listed)  # KB of shared memory, at most a program's on Hopper
 
 
 def test_a_launch_without_the_shared_memory_is_kept_untimed_and_the_sweep_goes_on(monkeypatch):
