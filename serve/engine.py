@@ -40,6 +40,7 @@ preempts the newest request (its KV is freed and recomputed on readmission) inst
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -185,6 +186,10 @@ class Engine:
             draft_kernels = kernels.DRAFT
             self.verify_greedy, self.descend, self.probs_kernels = kernels.verify_greedy, kernels.descend, kernels.PROBS
             self.accept_kernels = kernels.ACCEPT
+        # A speculative step's kernels let the next launch as they end on a target whose matmuls stream tens of µs
+        # a call (`kernels.releasing_late`); plain steps' launch at once.
+        self.releasing_late = (kernels.releasing_late if fused and target.config.hidden_size >= kernels.ROWS_LONG_MIN_K
+                               else lambda on: contextlib.nullcontext())
         dtype = target.embed_tokens.weight.dtype
         tcfg = target.config
         if not self.config.speculative:
@@ -577,19 +582,20 @@ class Engine:
             n = torch.where(torch.arange(B + pad, device=device) < B, after.n + after.num_accepted + 1, 0)
             roots, draft = after.bonus.clone(), after.draft
         table = self._block_table(requests, pad)
-        with self._phase("draft"):
-            if shape is not None:
-                tree = self.drafter.draft_tree(shape, roots, *draft, n, table)
-            else:  # plain decoding: the draft falls behind (`_catch_up_drafts`)
-                tree = root_only(roots)
-        with self._phase("verify"):  # target pass and verification in one graph
-            sampling = self._sampling(requests, pad, tree.tokens.shape[1])
-            out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth, sampling)
-        with self._phase("accept"):
-            step = self._accept(requests, shape, depth, tree, n, table, out, accepted, num_accepted, bonus)
-            if self._overlaps():
-                return step
-            self._finish_decode(step)  # in the phase: profiled steps time it there
+        with self.releasing_late(shape is not None):
+            with self._phase("draft"):
+                if shape is not None:
+                    tree = self.drafter.draft_tree(shape, roots, *draft, n, table)
+                else:  # plain decoding: the draft falls behind (`_catch_up_drafts`)
+                    tree = root_only(roots)
+            with self._phase("verify"):  # target pass and verification in one graph
+                sampling = self._sampling(requests, pad, tree.tokens.shape[1])
+                out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth, sampling)
+            with self._phase("accept"):
+                step = self._accept(requests, shape, depth, tree, n, table, out, accepted, num_accepted, bonus)
+                if self._overlaps():
+                    return step
+                self._finish_decode(step)  # in the phase: profiled steps time it there
         return None
 
     def _overlaps(self) -> bool:

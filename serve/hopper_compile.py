@@ -33,12 +33,15 @@ class Launch(NamedTuple):
 
 def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
     """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, with
-    programmatic dependent launch on (PDL, as served on Hopper) where the kernel takes it, and specialized as
+    programmatic dependent launch on where the kernel takes it (PDL: its launch's mode, EARLY as served on Hopper
+    where it was launched without, as off a Hopper GPU; `kernels.launch_options`), and specialized as
     Triton's launcher specializes it: an integer 1 becomes a constant, and pointers aligned to 16 bytes and integers
     divisible by 16 are marked so, which is what lets the compiler vectorize a load and pipeline it through shared
     memory (without the marks the compiled kernel is another one: no copies in flight, other registers). A meta
     tensor's pointer counts as aligned, as a fresh allocation on a GPU is."""
     from triton.runtime.jit import mangle_type  # the launcher's own typing: "*bf16", "i32", "fp32", "constexpr"
+
+    from .kernels import EARLY
 
     bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
     constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
@@ -47,7 +50,7 @@ def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
         value = bound[name]
         if name in constexpr:
             signature.append((name, "constexpr"))
-            constexprs.append((name, True if name == "PDL" else value))
+            constexprs.append((name, (value or EARLY.value) if name == "PDL" else value))
         elif isinstance(value, int) and not isinstance(value, bool) and value == 1:
             signature.append((name, "constexpr"))
             constexprs.append((name, 1))

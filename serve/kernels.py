@@ -29,6 +29,7 @@ Hopper and later, with programmatic dependent launch (`launch_options`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -63,26 +64,60 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> None:
         _split_counters(first.device)
 
 
+EARLY = tl.constexpr(1)  # `follow` lets the next kernel launch once this kernel's programs are resident
+LATE = tl.constexpr(2)  # ... only as they end (`releasing_late`)
+_releasing_late = False
+
+
+@contextlib.contextmanager
+def releasing_late(on: bool = True):
+    """Kernels launched within it (or captured, a CUDA graph's) let the next kernel launch only as their programs end,
+    not at once, and long calls (`long_call`) launch under programmatic dependent launch too. Where a kernel is
+    launched as the one before ends and lets the next launch at once, a streaming matmul after it (72 KB of shared
+    memory a program) had its programs packed three to an SM on a third of the SMs; launched late, they spread
+    (docs/perf.md, thirty-seventh entry). The engine releases late in a speculative step's passes on a target whose
+    matmuls stream tens of µs a call (`Engine`): with every kernel released late an 8B target's (5, 4, 8) step took
+    5.33 against 5.48 ms, but its plain step 4.10 against 4.02, and SmolLM2's (8, 8, 64) step 1.47 against 1.39
+    (its kernels take a few µs, and early launches hide the gaps between them; docs/perf.md, thirty-seventh and
+    thirty-eighth entries)."""
+    global _releasing_late
+    before, _releasing_late = _releasing_late, on
+    try:
+        yield
+    finally:
+        _releasing_late = before
+
+
 @functools.cache
-def launch_options(device: torch.device) -> dict:
+def _launches_dependents(device: torch.device) -> bool:
+    """Whether kernels launch under programmatic dependent launch on `device`: Hopper and later, with a Triton that
+    has `gdc_wait` (not the CPU interpreter)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+def launch_options(device: torch.device, long: bool = False) -> dict:
     """What every kernel here (and the Triton attention's) launches with: on Hopper and later, programmatic
     dependent launch. A kernel then starts while the one before it in the stream is finishing, and waits for it
     in `follow`, so the gap between two kernels of a CUDA graph (about 2.5 µs on an H200, docs/perf.md) overlaps
-    the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter, a Triton without `gdc_wait`)."""
-    pdl = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-           and hasattr(tl.extra.cuda, "gdc_wait"))
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+    the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter, a Triton without `gdc_wait`), and
+    for a `long` call (`long_call`) but where kernels release late (`releasing_late`)."""
+    if not _launches_dependents(device) or (long and not _releasing_late):
+        return {"PDL": 0}
+    return {"PDL": LATE.value if _releasing_late else EARLY.value, "launch_pdl": True}
 
 
 @jit
 def follow(PDL: tl.constexpr):
     """Every kernel calls it before it touches activations (the linear kernels load their first weights before it,
-    which no kernel writes). Under PDL: wait until the kernel before has finished and its writes are visible (its
-    outputs are inputs here, and memory written here may be memory it still reads), then let the next kernel
-    launch; its programs take SM slots once all of these are resident."""
+    which no kernel writes). Under PDL (EARLY or LATE, `launch_options`): wait until the kernel before has finished
+    and its writes are visible (its outputs are inputs here, and memory written here may be memory it still reads);
+    EARLY then lets the next kernel launch (its programs take SM slots once all of these are resident), LATE leaves
+    it to launch as these programs end."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -363,7 +398,8 @@ ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
 def long_call(M: int, N: int, K: int) -> bool:
     """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: up to ROWS_FEW rows of a large weight over
     at least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM.
-    Those launch after the kernel before has finished, not under programmatic dependent launch: under it an 8B
+    Those launch after the kernel before has finished, not under programmatic dependent launch (but where kernels
+    release late, `releasing_late`, which places their programs whole): under it an 8B
     target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms (5.69 on cuBLAS), and without it 5.53
     (docs/perf.md, thirty-sixth entry). The cause is placement: where the kernel before lets a long call launch at
     once, its programs can land three to an SM (72 KB of shared memory each) on a third of the SMs, and a down took
@@ -453,14 +489,14 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
                 quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
                 norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
-    benchmark sweeps them): tensor cores, under programmatic dependent launch but for long calls (`long_call`;
-    cuBLAS's launches cannot join them), the first weights loaded before waiting on the kernel before, SiLU·mul of
-    the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two)
-    and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given. Weights of few
-    output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes through
-    that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an unsplit
-    launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A split
-    program sees part of K; with float8 copies either way of summing the squares made an 8B head's (5, 4, 8) step
+    benchmark sweeps them): tensor cores, under programmatic dependent launch but for long calls where kernels release
+    early (`long_call`; cuBLAS's launches cannot join them), the first weights loaded before waiting on the kernel
+    before, SiLU·mul of the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and
+    `silu_mul` take two) and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
+    Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
+    through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an
+    unsplit launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A
+    split program sees part of K; with float8 copies either way of summing the squares made an 8B head's (5, 4, 8) step
     0.3 ms slower: docs/perf.md, thirty-fourth entry.)
     x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]; residual
     [..., N] (N / 2 with SiLU·mul)."""
@@ -489,7 +525,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **({"PDL": False} if long_call(M, N, K) else launch_options(x.device)),
+        **launch_options(x.device, long=long_call(M, N, K)),
     )
     return out
 

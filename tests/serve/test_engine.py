@@ -399,6 +399,35 @@ def test_triton_engine_equals_target_greedy(hf_checkpoint, target, shape, graphs
         assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=24)] == reference
 
 
+@pytest.mark.gpu
+def test_speculative_steps_of_a_large_target_release_late(hf_checkpoint, target, monkeypatch):
+    """On a target whose matmuls stream long (hidden size at least `kernels.ROWS_LONG_MIN_K`, lowered here to the test
+    target's), a speculative step's kernels let the next launch only at their end (`kernels.releasing_late`), and the
+    greedy tokens stay the reference's; prefills launch as ever, and so does every step without a head, or on a
+    target below the bound."""
+    from eyas.serve import kernels
+
+    ps = prompts(3, target.config.vocab_size, seed=4)
+    reference = [list(greedy_tokens(target, p, 16)) for p in ps]
+    cuda_target = TargetModel.from_pretrained(hf_checkpoint("llama")[0], device="cuda")
+    launch_options, releasing = kernels.launch_options, []
+    monkeypatch.setattr(kernels, "launch_options", lambda device, long=False: releasing.append(
+        kernels._releasing_late) or launch_options(device, long))
+
+    def releases(head, min_k):
+        monkeypatch.setattr(kernels, "ROWS_LONG_MIN_K", min_k)
+        releasing.clear()
+        engine = Engine(cuda_target, head, EngineConfig(tree=SHAPES["tree"], block_size=16, num_blocks=64,
+                                                        attention="triton"))
+        assert [r.output for r in engine.generate(ps, GREEDY, max_new_tokens=16)] == reference
+        return set(releasing)
+
+    hidden = target.config.hidden_size
+    assert releases(random_head(target).cuda(), hidden) == {False, True}
+    assert releases(None, hidden) == {False}
+    assert releases(random_head(target).cuda(), hidden + 1) == {False}
+
+
 # Top-1 sampling is greedy decoding at any temperature; with a greedy row, so the batch mixes both.
 TOP_ONE = [SamplingParams(temperature=0.7, top_k=1, seed=3), GREEDY, SamplingParams(temperature=1.3, top_k=1)]
 

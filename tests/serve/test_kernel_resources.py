@@ -69,6 +69,22 @@ def test_launches_compile_as_the_gpu_launcher_specializes_them():
     assert dict(one_row.constexprs)["M"] == 1
 
 
+def test_kernels_released_late_let_the_next_launch_only_at_their_end(monkeypatch):
+    """Under PDL a kernel waits for the one before (griddepcontrol.wait) either way; launched as served it then lets
+    the next kernel launch (griddepcontrol.launch_dependents), and within `releasing_late` it does not, so the next
+    launches as its programs end (`kernels.releasing_late`). The long call (an 8B target's down at 8 rows) is
+    compiled both ways, as the GPU's launcher takes each."""
+    monkeypatch.setattr(kernels, "_launches_dependents", lambda device: True)
+    x, weight, _ = meta_operands(4096, 14336, 8, False)
+    (early,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+    with kernels.releasing_late():
+        (late,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+    assert dict(early.constexprs)["PDL"] == kernels.EARLY.value and dict(late.constexprs)["PDL"] == kernels.LATE.value
+    early_ptx, late_ptx = (hopper_compile.compile_launch(launch).asm["ptx"] for launch in (early, late))
+    assert "griddepcontrol.wait" in early_ptx and "griddepcontrol.launch_dependents" in early_ptx
+    assert "griddepcontrol.wait" in late_ptx and "griddepcontrol.launch_dependents" not in late_ptx
+
+
 def test_a_long_call_through_silu_mul_fits_four_programs_an_sm():
     """An 8B target's gate/up at verification, a long call through SiLU·mul, reads 64 rows of each half in chunks of
     64: its stages of tiles let four programs share an SM, where the other long calls' 32 rows in chunks of 256 (two

@@ -822,23 +822,31 @@ def test_rows_operands_take_large_weights_only_in_long_calls():
     assert takes(16, 28672, 4096, fp8=True) and not takes(17, 28672, 4096, fp8=True)
 
 
-def test_rows_kernel_launches_long_calls_after_the_kernel_before(monkeypatch):
+def test_rows_kernel_launches_long_calls_after_the_kernel_before_but_where_kernels_release_late(monkeypatch):
     """Under programmatic dependent launch a long call (`long_call`: few rows of a large weight over a long K)
-    launches without it (the 8B step is faster so), any other with it: a smaller weight, a shorter K, more rows."""
+    launches without it (the 8B step is faster so), any other with it: a smaller weight, a shorter K, more rows.
+    Within `releasing_late` every one launches under it and lets the next launch only at its end."""
     launched = []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **options: launched.append(options)
 
+    def launch_all():
+        launched.clear()
+        for rows, N, K in [(16, 4096, 4096), (16, 4095, 4096), (16, 32768, 512), (17, 4096, 4096)]:
+            kernels.rows_kernel(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"),
+                                torch.empty(N, K, dtype=torch.bfloat16, device="meta"))
+        return launched
+
     monkeypatch.setattr(kernels, "_rows_matmul_kernel", Recorder())
-    monkeypatch.setattr(kernels, "launch_options", lambda device: {"PDL": True, "launch_pdl": True})
-    for rows, N, K in [(16, 4096, 4096), (16, 4095, 4096), (16, 32768, 512), (17, 4096, 4096)]:
-        kernels.rows_kernel(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"),
-                            torch.empty(N, K, dtype=torch.bfloat16, device="meta"))
-    long, *others = launched
-    assert not long["PDL"] and not long.get("launch_pdl", False)
-    assert all(options["PDL"] and options["launch_pdl"] for options in others)
+    monkeypatch.setattr(kernels, "_launches_dependents", lambda device: True)
+    long, *others = launch_all()
+    assert long["PDL"] == 0 and "launch_pdl" not in long
+    assert all(options["PDL"] == kernels.EARLY.value and options["launch_pdl"] for options in others)
+    with kernels.releasing_late():
+        assert all(options["PDL"] == kernels.LATE.value and options["launch_pdl"] for options in launch_all())
+    assert launch_all()[0]["PDL"] == 0  # as before, outside
 
 
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
@@ -1117,4 +1125,4 @@ def test_every_kernel_waits_for_the_one_before():
                 f"{name} reads more than its weights before follow"
         else:
             assert not before, f"{name} starts with {before[0]!r}"
-    assert kernels.launch_options(torch.device("cpu")) == {"PDL": False}
+    assert kernels.launch_options(torch.device("cpu")) == {"PDL": 0}
