@@ -396,17 +396,22 @@ ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
 
 
 def long_call(M: int, N: int, K: int) -> bool:
-    """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: up to ROWS_FEW rows of a large weight over
-    at least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM.
-    Those launch after the kernel before has finished, not under programmatic dependent launch (but where kernels
-    release late, `releasing_late`, which places their programs whole): under it an 8B
-    target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms (5.69 on cuBLAS), and without it 5.53
-    (docs/perf.md, thirty-sixth entry). The cause is placement: where the kernel before lets a long call launch at
-    once, its programs can land three to an SM (72 KB of shared memory each) on a third of the SMs, and a down took
-    51 against 34 µs (thirty-seventh entry). Shorter calls need PDL: without it SmolLM2's (8, 8, 64) step took 1.65
-    ms against 1.40, and an 8B target's (6, 8, 48) 6.40 against 6.30 for its o at 48 rows (120 KB a program: one an
-    SM)."""
-    return M <= ROWS_FEW and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
+    """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: up to ROWS_FEW rows of a large weight over at
+    least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM. Those
+    launch after the kernel before has finished, not under programmatic dependent launch (but where kernels release
+    late, `releasing_late`, which places their programs whole): under it an 8B target's q/k/v and down on the kernel
+    made its (5, 4, 8) step 6.68 ms (5.69 on cuBLAS), and without it 5.53 (docs/perf.md, thirty-sixth entry). The cause
+    is placement: where the kernel before lets a long call launch at once, its programs can land three to an SM (72 KB
+    of shared memory each) on a third of the SMs, and a down took 51 against 34 µs (thirty-seventh entry). Shorter calls
+    need PDL: without it SmolLM2's (8, 8, 64) step took 1.65 ms against 1.40, and an 8B target's (6, 8, 48) 6.40 against
+    6.30 for its o at 48 rows (120 KB a program: one an SM)."""
+    return _few_rows_of_large_weight(M, N * K) and K >= ROWS_LONG_MIN_K
+
+
+def _few_rows_of_large_weight(M: int, entries: int) -> bool:
+    """Up to ROWS_FEW rows against a weight of at least ROWS_LARGE_WEIGHT entries: a call bound by the weight's
+    bytes (`long_call`, `reads_fp8_rows`)."""
+    return M <= ROWS_FEW and entries >= ROWS_LARGE_WEIGHT
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -535,7 +540,7 @@ def reads_fp8_rows(M: int, N: int, K: int) -> bool:
     up to ROWS_FEW rows. There they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs, the fc
     22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
     (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes."""
-    return M <= ROWS_FEW and N * K >= ROWS_LARGE_WEIGHT
+    return _few_rows_of_large_weight(M, N * K)
 
 
 SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_splits` splits
