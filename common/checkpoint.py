@@ -14,7 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from .config import ConfigError, TargetConfig, read_json
+from .config import ConfigError, RopeConfig, TargetConfig, read_json
+from .layers import rope_inv_freq
 from .target import TargetModel
 
 
@@ -108,26 +109,69 @@ def _gguf_parts(path: Path) -> tuple[str, str]:
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
-    """(HF config dict, dequantised fp32 tensors under HF names) of a GGUF file, via transformers + gguf."""
-    try:
-        import gguf  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
+    """(HF config dict, dequantised fp32 tensors under HF names) of a GGUF file, via transformers + gguf. A tensor the
+    model needs and the file lacks is an error (transformers would fill it with random values)."""
     from transformers import AutoModelForCausalLM
 
     folder, name = _gguf_parts(path)
+    config = gguf_config(path)
     # transformers owns GGUF's name mapping, dequantisation and the q/k rotary permutation.
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return hf_model.config.to_dict(), dict(hf_model.state_dict())
+    hf_model, info = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, output_loading_info=True)
+    for kind in ("missing_keys", "mismatched_keys"):
+        if info[kind]:
+            names = sorted(str(key) for key in info[kind])
+            raise CheckpointError(f"{path}: {kind.replace('_keys', '')} tensors {', '.join(names[:8])}"
+                                  + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    return config, dict(hf_model.state_dict())
+
+
+def gguf_config(path: Path) -> dict:
+    """The HF config dict of a GGUF file: transformers' reading of its metadata, with the RoPE scaling that reading
+    drops. llama.cpp keeps Llama 3's scaling as a `rope_freqs` tensor of per-frequency divisors (its converter
+    writes them from the HF rule with the HF defaults but `factor`), and linear scaling as metadata."""
+    try:
+        import gguf
+    except ImportError as err:
+        raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
+    from transformers import AutoConfig
+
+    folder, name = _gguf_parts(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    scaling_field = reader.fields.get(f"{arch}.rope.scaling.type")
+    scaling = scaling_field.contents() if scaling_field is not None else "none"
+    divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear",
+                                  "factor": float(reader.fields[f"{arch}.rope.scaling.factor"].contents())}
+    elif scaling != "none":
+        raise ConfigError(f"{path}: RoPE scaling '{scaling}' ({arch}.rope.scaling.type) is not supported "
+                          "(linear, or Llama 3's rope_freqs)")
+    elif divisors is not None:
+        config["rope_scaling"] = _llama3_scaling(path, torch.tensor(divisors, dtype=torch.float32), config)
+    return config
+
+
+def _llama3_scaling(path: Path, divisors: Tensor, config: dict) -> dict:
+    """The llama3 `rope_scaling` whose inverse frequencies are the plain ones divided by `divisors` [head_dim // 2]."""
+    source = f"{path} (rope_freqs.weight)"
+    rope = RopeConfig.from_hf(config, source)
+    head_dim = 2 * divisors.numel()
+    llama3 = RopeConfig(theta=rope.theta, type="llama3", factor=float(divisors.max()))
+    plain = RopeConfig(theta=rope.theta)
+    if not torch.allclose(rope_inv_freq(plain, head_dim) / rope_inv_freq(llama3, head_dim), divisors, rtol=1e-4):
+        raise ConfigError(f"{source}: its {divisors.numel()} frequency divisors are not Llama 3's RoPE scaling "
+                          f"(factor {llama3.factor:g}, low and high frequency factors 1 and 4, original context "
+                          "8192), which is the one per-frequency scaling eyas reads")
+    return llama3.to_hf()["rope_scaling"]
 
 
 def target_config(path: str | Path) -> TargetConfig:
     path = Path(path)
     if path.suffix == ".gguf":
-        from transformers import AutoConfig
-
-        folder, name = _gguf_parts(path)
-        return TargetConfig.from_hf(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), source=str(path))
+        return TargetConfig.from_hf(gguf_config(path), source=str(path))
     if not (path / "config.json").exists():
         raise ConfigError(f"{path}: not a .gguf file and no config.json inside")
     return TargetConfig.from_json(path / "config.json")

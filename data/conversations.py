@@ -7,7 +7,7 @@
 
 Files are recognised by content: a JSON array (ShareGPT's layout), JSON lines, or one record spread over lines
 (a single pretty-printed conversation). Each record's layout is recognised by its keys (or forced with `format=`):
-  "sharegpt":  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}
+  "sharegpt":  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}  (or role/content turns)
   "messages":  {"messages": [{"role", "content"}, ...]}   OpenAI chat JSONL, HF ultrachat_200k rows
   "ultrachat": {"data": [user, assistant, user, ...]}     the original UltraChat release
 A bad record (unknown role, empty or non-string content, no assistant turn, roles out of order, malformed
@@ -80,6 +80,18 @@ def read_conversations(
     `max_bytes`: read only the file's first bytes (a cut JSON array then reads as truncated).
     `report`: filled in as the file is read; a one-line summary is also logged at the end.
     """
+    for _, messages in read_placed_conversations(path, format, strict, max_bytes, report):
+        yield messages
+
+
+def read_placed_conversations(
+    path: str | Path,
+    format: str | None = None,
+    strict: bool = False,
+    max_bytes: int | None = None,
+    report: ReadReport | None = None,
+) -> Iterator[tuple[str, Conversation]]:
+    """`read_conversations`' conversations, each with its place in the file ("line 3", "record 3")."""
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}")
     path = Path(path)
@@ -89,7 +101,12 @@ def read_conversations(
         data = f.read(max_bytes if max_bytes is not None else -1)
         cut = bool(f.read(1))  # the read stopped inside the file
     # A read cut at max_bytes may split a multi-byte character: drop the partial one. A byte-order mark is not data.
-    text = data.decode("utf-8-sig", errors="ignore" if max_bytes is not None else "strict")
+    try:
+        text = data.decode("utf-8-sig", errors="ignore" if max_bytes is not None else "strict")
+    except UnicodeDecodeError as e:  # its message names neither the file nor the line
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConversationError(f"{path}: line {line} (byte {e.start}): not UTF-8 ({e.reason}); convert the file, "
+                                "e.g. `iconv -f latin1 -t utf-8`") from None
 
     def bad(place: str, reason: str) -> None:
         if strict:
@@ -114,7 +131,7 @@ def read_conversations(
             bad(place, str(e))
             continue
         report.conversations += 1
-        yield messages
+        yield place, messages
     (logger.warning if report.skipped or report.truncated else logger.info)(report.summary())
 
 
@@ -138,6 +155,10 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
             yield f"record {index}", _CUT
             return
         if text[i] == "]":
+            if text[i + 1 :].strip():  # e.g. two arrays concatenated: their records would go unread
+                yield f"record {index}", _MalformedJSON(
+                    f"text after the array's closing ']' (character {i}): {text[i + 1 :].strip()[:40]!r}; join the "
+                    "records into one array")
             return
         try:
             record, i = decoder.raw_decode(text, i)
@@ -219,18 +240,22 @@ def normalize(record: object, format: str | None = None) -> Conversation:
     if format == "ultrachat":
         messages = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(turns)]
     else:
-        role_key, content_key = ("from", "value") if format == "sharegpt" else ("role", "content")
         messages = []
-        for turn in turns:
+        for number, turn in enumerate(turns, start=1):
             if not isinstance(turn, dict):
-                raise ValueError(f"a turn is {type(turn).__name__}, not an object")
-            role = turn.get(role_key)
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r}")
-            messages.append({"role": ROLES[role], "content": turn.get(content_key)})
-    for m in messages:
+                raise ValueError(f"turn {number} is {type(turn).__name__}, not an object")
+            # ShareGPT's turns say from/value; SpecForge's ShareGPT-layout files and OpenAI's messages role/content.
+            keys = ("from", "value") if format == "sharegpt" and "role" not in turn else ("role", "content")
+            for key in keys:
+                if key not in turn:
+                    raise ValueError(f"turn {number} has no '{key}' key (its keys: {sorted(turn)[:8]})")
+            role = turn[keys[0]]
+            if not isinstance(role, str) or role not in ROLES:
+                raise ValueError(f"turn {number}: unknown role {role!r}")
+            messages.append({"role": ROLES[role], "content": turn[keys[1]]})
+    for number, m in enumerate(messages, start=1):
         if not isinstance(m["content"], str) or not m["content"].strip():
-            raise ValueError(f"empty or non-string {m['role']} content: {str(m['content'])[:40]!r}")
+            raise ValueError(f"turn {number}: empty or non-string {m['role']} content: {str(m['content'])[:40]!r}")
 
     system = messages[:1] if messages and messages[0]["role"] == "system" else []
     turns = messages[len(system) :]

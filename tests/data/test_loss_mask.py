@@ -78,7 +78,7 @@ def test_a_conversation_the_template_rewrites_is_skipped_by_name(smollm2_tokeniz
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (CHAT[1:3], shouted)))
     assert len(build_dataset(path, tok, DataConfig(cache_dir=str(tmp_path / "cache")))) == 1
-    assert f"{path}: skipping conversation 1: the template rewrites assistant content" in caplog.text
+    assert f"{path}: skipping the conversation at line 2: the template rewrites assistant content" in caplog.text
 
 
 def test_a_conversation_the_template_refuses_is_skipped_by_name(smollm2_tokenizer, tmp_path, caplog):
@@ -90,7 +90,8 @@ def test_a_conversation_the_template_refuses_is_skipped_by_name(smollm2_tokenize
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (CHAT[1:3], CHAT)))
     assert len(build_dataset(path, tok, DataConfig(cache_dir=str(tmp_path / "cache")))) == 1
-    assert f"{path}: skipping conversation 1: the template refuses it: System role not supported" in caplog.text
+    want = f"{path}: skipping the conversation at line 2: the template refuses it: System role not supported"
+    assert want in caplog.text
 
 
 def test_truncation(smollm2_tokenizer):

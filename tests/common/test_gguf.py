@@ -1,0 +1,108 @@
+"""GGUF targets: strict loading and the RoPE scaling transformers' GGUF reading drops, on tiny files written here."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from eyas.common.checkpoint import CheckpointError, load_target, target_config
+from eyas.common.config import ConfigError, RopeConfig
+from eyas.common.layers import rope_inv_freq
+
+gguf = pytest.importorskip("gguf")
+
+HIDDEN, HEADS, LAYERS = 64, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+
+
+def write_gguf(path, *, drop=(), rope_freqs=None, scaling=None):
+    """A two-layer Llama of random fp32 weights; `drop` leaves tensors out, `rope_freqs` [HEAD_DIM // 2] adds
+    llama.cpp's per-frequency divisors, `scaling` (type, factor) its rope.scaling metadata."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(32)])
+    writer.add_token_types([1] * 32)
+    writer.add_token_merges([])
+    if scaling is not None:
+        writer.add_string("llama.rope.scaling.type", scaling[0])
+        writer.add_float32("llama.rope.scaling.factor", scaling[1])
+    shapes = {"token_embd.weight": (32, HIDDEN), "output_norm.weight": (HIDDEN,), "output.weight": (32, HIDDEN)}
+    for i in range(LAYERS):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.attn_k.weight": (2 * HEAD_DIM, HIDDEN), f"blk.{i}.attn_v.weight": (2 * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+            f"blk.{i}.ffn_gate.weight": (128, HIDDEN), f"blk.{i}.ffn_up.weight": (128, HIDDEN),
+            f"blk.{i}.ffn_down.weight": (HIDDEN, 128),
+        })
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        if name not in drop:
+            writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama3_divisors(factor):
+    """llama.cpp's converter's rope_freqs for Llama 3 scaling (HF's defaults but `factor`), computed by its rule."""
+    divisors = []
+    for i in range(0, HEAD_DIM, 2):
+        wavelen = 2 * math.pi * 500000.0 ** (i / HEAD_DIM)
+        if wavelen < 8192 / 4:
+            divisors.append(1.0)
+        elif wavelen > 8192 / 1:
+            divisors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return divisors
+
+
+def test_a_gguf_target_loads_every_tensor(tmp_path):
+    model = load_target(write_gguf(tmp_path / "full.gguf"))
+    assert model.config.num_hidden_layers == LAYERS and model.config.rope.type == "default"
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_a_gguf_file_lacking_a_tensor_is_an_error_naming_it(tmp_path):
+    path = write_gguf(tmp_path / "drop.gguf", drop=("blk.1.ffn_down.weight",))
+    with pytest.raises(CheckpointError, match=r"drop\.gguf: missing tensors model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_target(path)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 and 3.3; Llama 3.2
+def test_llama3_rope_freqs_become_llama3_scaling(tmp_path, factor):
+    divisors = llama3_divisors(factor)
+    assert 1.0 < len(set(divisors)) < HEAD_DIM // 2  # the file's tiny rotary still has all three bands
+    rope = target_config(write_gguf(tmp_path / "l3.gguf", rope_freqs=divisors)).rope
+    assert (rope.type, rope.factor, rope.theta) == ("llama3", factor, 500000.0)
+    served = rope_inv_freq(RopeConfig(theta=500000.0), HEAD_DIM) / rope_inv_freq(rope, HEAD_DIM)
+    torch.testing.assert_close(served, torch.tensor(divisors), rtol=1e-5, atol=0)
+
+
+def test_rope_freqs_of_another_rule_are_an_error(tmp_path):
+    path = write_gguf(tmp_path / "odd.gguf", rope_freqs=[1.0] * 4 + [2.0] * 2 + [8.0] * 2)
+    with pytest.raises(ConfigError, match=r"odd\.gguf \(rope_freqs\.weight\): its 8 frequency divisors are not"):
+        target_config(path)
+
+
+def test_linear_rope_scaling_metadata_is_read_and_others_refused(tmp_path):
+    rope = target_config(write_gguf(tmp_path / "linear.gguf", scaling=("linear", 4.0))).rope
+    assert (rope.type, rope.factor) == ("linear", 4.0)
+    with pytest.raises(ConfigError, match=r"yarn.gguf: RoPE scaling 'yarn' \(llama.rope.scaling.type\)"):
+        target_config(write_gguf(tmp_path / "yarn.gguf", scaling=("yarn", 4.0)))
