@@ -31,12 +31,10 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from eyas.common.architectures import architecture_config
-from eyas.common.assets import resolve_target
-from eyas.common.checkpoint import target_config
 from eyas.common.profiling import per_step, work_in
 
 from .config import load_recipe
+from .target import target_config_of
 from .trainer import STEP_RANGE, head_config, train
 
 
@@ -83,12 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the benchmark needs a recipe with synthetic rows of fixed length")
     if args.warmup >= recipe.optim.total_steps:  # found out now, not after the whole run has nothing to measure
         parser.error(f"--warmup {args.warmup} leaves none of the recipe's {recipe.optim.total_steps} steps to measure")
-    if recipe.model.random_arch is not None:
-        target_cfg = architecture_config(recipe.model.random_arch)
-    elif recipe.model.target is not None:
-        target_cfg = target_config(resolve_target(recipe.model.target))
-    else:
+    if recipe.model.random_target is not None:
         parser.error("the benchmark needs model.random_arch or model.target")
+    target_cfg = target_config_of(recipe.model)
     head_cfg = head_config(recipe.model, target_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         output = args.output or Path(tmp)

@@ -134,6 +134,13 @@ class DataConfig(dataset.DataConfig):
         super().__post_init__()
         if self.path is not None and self.synthetic is not None:
             raise ValueError("set at most one of 'path' and 'synthetic'")
+        if self.synthetic is not None:  # its rows are made whole, in its own batches: these fields would do nothing
+            read = ("synthetic", "hidden_states", "pad_multiple", "num_proc", "cache_dir")
+            unread = [f.name for f in dataclasses.fields(DataConfig)
+                      if f.name not in read and getattr(self, f.name) != f.default]
+            if unread:
+                raise ValueError(f"synthetic data reads none of {unread}: set them on the synthetic section "
+                                 "(num_batches, batch_size, seq_len) or use data.path")
         if not 0 <= self.eval_fraction < 1 or min(self.batch_size, self.bucket, self.pad_multiple) < 1:
             raise ValueError("need 0 <= eval_fraction < 1 and batch_size, bucket, pad_multiple >= 1")
         self.sources()  # validates `path`
@@ -167,6 +174,8 @@ class OptimConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if min(self.lr, self.min_lr, self.weight_decay, self.grad_clip) < 0:
             raise ValueError("need lr, min_lr, weight_decay and grad_clip >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} exceeds lr {self.lr}: the cosine would climb, not decay")
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,22 @@ class LoggingConfig:
             raise ValueError(f"need eval_every >= 0, got {self.eval_every}")
 
 
+# DeepSpeed settings the trainer depends on, each owned by a recipe field: set in `deepspeed.extra` they would
+# disagree with it (an optimizer step per micro-batch while the trainer counts grad_accum, a bf16 engine under an
+# fp32 head).
+RECIPE_OWNED_DEEPSPEED = {
+    "train_micro_batch_size_per_gpu": "data.batch_size",
+    "train_batch_size": "data.batch_size and optim.grad_accum",
+    "gradient_accumulation_steps": "optim.grad_accum",
+    "gradient_clipping": "optim.grad_clip",
+    "bf16": "model.precision",
+    "fp16": "model.precision",
+    "optimizer": "optim",
+    "scheduler": "optim",
+    "zero_optimization.stage": "deepspeed.zero_stage",
+}
+
+
 @dataclass(frozen=True)
 class DeepSpeedConfig:
     zero_stage: int = 1  # 0-3; 3 also partitions the head's parameters (gathered in each forward and at export)
@@ -212,6 +237,10 @@ class DeepSpeedConfig:
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        zero = self.extra.get("zero_optimization")
+        given = set(self.extra) | {f"zero_optimization.{k}" for k in (zero if isinstance(zero, dict) else ())}
+        for key in sorted(given & set(RECIPE_OWNED_DEEPSPEED)):
+            raise ValueError(f"extra.{key} is the recipe's {RECIPE_OWNED_DEEPSPEED[key]}: set that instead")
 
 
 @dataclass(frozen=True)
@@ -230,7 +259,18 @@ class TrainRecipe:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `3e-4` as a string (it wants `3.0e-4`); accept exponents without a dot as floats."""
+    """YAML 1.1 reads `3e-4` as a string (it wants `3.0e-4`); accept exponents without a dot as floats. A key given
+    twice in one mapping is an error (YAML keeps the last silently, so a repeated section would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(

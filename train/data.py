@@ -70,23 +70,13 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     cfg = recipe.data
     if cfg.synthetic is not None:
         return synthetic_rows(cfg.synthetic, vocab_size)
-    if cfg.path is None:
-        raise ConfigError("no training data: set data.path or data.synthetic in the recipe")
+    sources, paths, (tokenizer_key, tokenizer_path) = data_inputs(recipe)
     tokenizer_source = cfg.tokenizer or recipe.model.target
-    if tokenizer_source is None:
-        raise ConfigError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
-    sources = cfg.sources()
-    paths = [_resolve(s) for s in sources]  # all of them before tokenizing any: a typo fails at once
-    for i, path in enumerate(paths):
-        if path in paths[:i]:  # its copies could then land in both the training and the held-out rows
-            first = sources[paths.index(path)].key
-            raise ConfigError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
-    tokenizer = load_tokenizer(resolve_target(tokenizer_source))
+    tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.chat_template is None:  # else the first conversation fails deep inside the tokenizing
-        key = "data.tokenizer" if cfg.tokenizer else "model.target"
-        raise ConfigError(f"{key} {tokenizer_source}: its tokenizer has no chat template (a base model?), so the "
-                          "assistant's tokens cannot be found: set data.tokenizer to a model whose template to train "
-                          "in, e.g. the instruct model of the same vocabulary")
+        raise ConfigError(f"{tokenizer_key} {tokenizer_source}: its tokenizer has no chat template (a base model?), so "
+                          "the assistant's tokens cannot be found: set data.tokenizer to a model whose template to "
+                          "train in, e.g. the instruct model of the same vocabulary")
     if len(tokenizer) > vocab_size:  # its ids would index past the target's embedding
         raise ConfigError(f"the tokenizer of {tokenizer_source} has {len(tokenizer)} tokens, more than the target's "
                           f"vocabulary of {vocab_size}: set data.tokenizer to the target's own")
@@ -102,6 +92,30 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     if cfg.max_conversations is not None:
         rows = rows.select(range(min(cfg.max_conversations, len(rows))))
     return rows
+
+
+def data_inputs(recipe: TrainRecipe) -> tuple[list[Source], list[Path], tuple[str, Path]]:
+    """The conversation rows' inputs, resolved (packaged data sets fetched) without reading them: `data.path`'s
+    sources and their paths, and (the recipe key naming it, the path) of the tokenizer. A source or tokenizer that
+    does not exist, or a file listed twice, is a `ConfigError` naming its key."""
+    cfg = recipe.data
+    if cfg.path is None:
+        raise ConfigError("no training data: set data.path or data.synthetic in the recipe")
+    tokenizer_key = "data.tokenizer" if cfg.tokenizer else "model.target"
+    tokenizer_source = cfg.tokenizer or recipe.model.target
+    if tokenizer_source is None:
+        raise ConfigError("data.path with a random target needs data.tokenizer (a target whose tokenizer to use)")
+    sources = cfg.sources()
+    paths = [_resolve(s) for s in sources]  # all of them before tokenizing any: a typo fails at once
+    for i, path in enumerate(paths):
+        if path in paths[:i]:  # its copies could then land in both the training and the held-out rows
+            first = sources[paths.index(path)].key
+            raise ConfigError(f"{sources[i].key}: {path} is also {first}; list it once, with a repeat")
+    try:
+        tokenizer_path = resolve_target(tokenizer_source)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{tokenizer_key}: {e}") from None
+    return sources, paths, (tokenizer_key, tokenizer_path)
 
 
 def check_fits_context(cfg: DataConfig, context: int) -> None:

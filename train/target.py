@@ -14,26 +14,45 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from eyas.common.architectures import random_target
+from eyas.common.architectures import architecture_config, random_target
 from eyas.common.assets import resolve_target
 from eyas.common.attention import CausalAttention
 from eyas.common.checkpoint import load_target as load_checkpoint
-from eyas.common.config import TargetConfig
+from eyas.common.checkpoint import target_config
+from eyas.common.config import ConfigError, TargetConfig
 from eyas.common.target import TargetModel
 
 from .batches import Batch
 from .config import ModelConfig, RandomTarget
 
 
-def build_random_target(cfg: RandomTarget) -> TargetModel:
-    """A random Llama decoder; lm_head drawn N(0, 1/H) so the logits have unit scale and the target's
-    distributions are peaked enough to learn from (PyTorch's default init gives nearly flat ones)."""
-    config = TargetConfig.from_hf({
+def random_target_config(cfg: RandomTarget) -> TargetConfig:
+    return TargetConfig.from_hf({
         "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
     }, source="model.random_target")
+
+
+def target_config_of(cfg: ModelConfig) -> TargetConfig:
+    """The recipe's target's config, its weights unread (a 70B target's take minutes): what the checks that should
+    fail before a load read. A target that does not exist is a `ConfigError` naming `model.target`."""
+    if cfg.random_target is not None:
+        return random_target_config(cfg.random_target)
+    if cfg.random_arch is not None:
+        return architecture_config(cfg.random_arch)
+    try:
+        path = resolve_target(cfg.target)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.target: {e}; set it with --set model.target=PATH") from None
+    return target_config(path)
+
+
+def build_random_target(cfg: RandomTarget) -> TargetModel:
+    """A random Llama decoder; lm_head drawn N(0, 1/H) so the logits have unit scale and the target's
+    distributions are peaked enough to learn from (PyTorch's default init gives nearly flat ones)."""
+    config = random_target_config(cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = TargetModel(config)

@@ -59,10 +59,10 @@ from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
 from . import checkpoint
 from .batches import Batch, micro_batches
 from .config import ModelConfig, TrainRecipe
-from .data import TrainData, check_fits_context, load_data, load_rows
+from .data import TrainData, check_fits_context, data_inputs, load_data, load_rows
 from .metrics import MetricsLog
 from .optim import build_optimizer, deepspeed_config
-from .target import load_target, target_states
+from .target import load_target, target_config_of, target_states
 from .ttt import TTTOutput, acceptance_length, training_kernels, ttt_loss
 
 
@@ -212,7 +212,6 @@ def _bf16_slowdown() -> float:
 def _prepare_data(recipe: TrainRecipe, target: TargetModel, aux_layers: tuple[int, ...], rank: int) -> TrainData:
     """The recipe's rows, split and batched (rank 0 fills `datasets`' cache first, the other ranks then read it);
     offline, the batches read the hidden states dumped for them (refused if dumped from another target)."""
-    check_fits_context(recipe.data, target.config.max_position_embeddings)
     if rank != 0:
         dist.barrier()
     vocab_size = target.config.vocab_size
@@ -262,12 +261,26 @@ def evaluate(module: TTTModule, target: TargetModel, batches: Sequence[Batch], a
 STEP_RANGE = "eyas.train_step"
 
 
+def check_inputs(recipe: TrainRecipe, resuming: bool = False) -> None:
+    """What can be checked before the target loads (minutes for a 70B one): that the target, the head to train
+    further (unless `resuming`, which does not read it), the tokenizer and the data's sources exist, that the rows fit
+    the target's context and the aux layers its layers. Each failure is a `ConfigError` naming the recipe key."""
+    target = target_config_of(recipe.model)
+    head_config(recipe.model, target)
+    check_fits_context(recipe.data, target.max_position_embeddings)
+    init_from = recipe.model.init_from
+    if init_from is not None and not resuming and not Path(init_from).is_dir():
+        raise ConfigError(f"model.init_from {init_from}: no such directory (a run's final/ to train further)")
+    if recipe.data.synthetic is None:
+        data_inputs(recipe)
+
+
 def _data_order(recipe: TrainRecipe, world_size: int) -> dict:
-    """The settings a checkpoint's data position and step count depend on: its data (but the worker count and cache
-    directory), seed and world size decide which rows a position means; gradient accumulation, how many positions a
-    step took."""
+    """The settings a checkpoint's data position and step count depend on: its data, seed and world size decide which
+    rows a position means; gradient accumulation, how many positions a step took. Not the worker count, cache
+    directory, padding or where the hidden states were dumped (the rows are checked by their digest)."""
     data = {f"data.{key}": value for key, value in recipe.to_dict()["data"].items()
-            if key not in ("num_proc", "cache_dir")}
+            if key not in ("num_proc", "cache_dir", "pad_multiple", "hidden_states")}
     return data | {"seed": recipe.seed, "optim.grad_accum": recipe.optim.grad_accum, "world_size": world_size}
 
 
@@ -292,6 +305,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found:
         checkpoint.check_resumable(found[-1], data_order, recipe.optim.total_steps)
         checkpoint.check_same(found[-1], "optimizer", optimizer_settings)
+    check_inputs(recipe, resuming=bool(found))
     if rank == 0:  # a cut-short save's leftovers: `save` deletes them too, but this run may save no more
         checkpoint.remove_partial(ckpt_root)
     get_accelerator().set_device(local_rank)
@@ -450,9 +464,9 @@ def dump(recipe: TrainRecipe) -> Path:
                          "data.hidden_states=DIR")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("the dump runs in one process: start it with train-eagle, not a distributed launcher")
+    check_inputs(recipe)
     device = torch.device(get_accelerator().device_name(0))
     target = load_target(recipe.model, _dtype(recipe.model, device), device)
     aux_layers = head_config(recipe.model, target.config).aux_layers_for(target.config)
-    check_fits_context(recipe.data, target.config.max_position_embeddings)
     dump_hidden_states(target, load_rows(recipe, target.config.vocab_size), recipe.data.hidden_states, aux_layers)
     return Path(recipe.data.hidden_states)

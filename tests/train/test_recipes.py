@@ -52,6 +52,14 @@ def test_set_overrides():
     (["optim.lr"], ["--set", "optim.lr", "KEY=VALUE"]),
     (["optim.lr.x=1"], ["--set", "'optim.lr' is not a section"]),
     (["optim=3"], ["'optim' should be a mapping"]),
+    (["optim.min_lr=0.03"], ["optim", "min_lr 0.03 exceeds lr 0.003: the cosine would climb"]),
+    (["deepspeed.extra={gradient_accumulation_steps: 1}"],
+     ["deepspeed", "extra.gradient_accumulation_steps is the recipe's optim.grad_accum: set that instead"]),
+    (["deepspeed.extra={bf16: {enabled: true}}"], ["extra.bf16 is the recipe's model.precision"]),
+    (["deepspeed.extra={zero_optimization: {stage: 3, reduce_bucket_size: 5}}"],
+     ["extra.zero_optimization.stage is the recipe's deepspeed.zero_stage"]),
+    (["data.eval_fraction=0.5", "data.batch_size=8"],
+     ["data", "synthetic data reads none of ['eval_fraction', 'batch_size']"]),
 ])
 def test_bad_overrides_name_the_key(overrides, words):
     with pytest.raises(ConfigError) as err:
@@ -83,6 +91,22 @@ def test_bad_data_path_entries_name_their_index(path, words):
         load_recipe("ci-tiny", ["data.synthetic=null", f"data.path={path}"])
     for word in words:
         assert word in str(err.value), (word, str(err.value))
+
+
+def test_extra_deepspeed_settings_the_recipe_does_not_own_pass():
+    extra = load_recipe("ci-tiny", ["deepspeed.extra={zero_optimization: {reduce_bucket_size: 5}}"]).deepspeed.extra
+    assert extra == {"zero_optimization": {"reduce_bucket_size": 5}}
+
+
+def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
+    """YAML keeps the last of two equal keys: a second `optim:` section would silently drop the first's lr."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("model: {random_target: {}}\noptim: {lr: 3.0e-3, warmup_steps: 2}\noptim: {total_steps: 8}\n")
+    with pytest.raises(ConfigError, match=r"(?s)twice\.yaml: not valid YAML: .*key 'optim' given twice.*line 3"):
+        load_recipe(path)
+    path.write_text("model: {random_target: {}}\noptim: {lr: 3.0e-3, lr: 1.0e-3}\n")
+    with pytest.raises(ConfigError, match="key 'lr' given twice"):
+        load_recipe(path)
 
 
 def test_bad_file_names_file_and_key(tmp_path):
@@ -125,6 +149,12 @@ def test_a_directory_named_like_a_recipe_is_not_one(tmp_path, monkeypatch):
     ("ci-tiny", ["optim.lr=-1"], ["optim", "need lr, min_lr, weight_decay and grad_clip >= 0"]),
     ("ci-tiny", ["data.synthetic.seq_len=4097"], ["data.synthetic.seq_len 4097 exceeds the target's context of "
                                                   "4096 tokens"]),
+    # Paths and the context are checked before the target loads (its config alone is read).
+    ("llama3.1-8b-instruct-eagle3", [], ["model.target: target '/path/to/Llama-3.1-8B-Instruct' is neither an "
+                                         "existing path", "set it with --set model.target=PATH"]),
+    ("quickstart", ["model.init_from=runs/typo/final"], ["model.init_from runs/typo/final: no such directory"]),
+    ("quickstart", ["data.tokenizer=no-such-model"], ["data.tokenizer: target 'no-such-model' is neither"]),
+    ("quickstart", ["data.max_length=100000"], ["data.max_length 100000 exceeds the target's context of 8192"]),
 ])
 def test_cli_reports_a_bad_recipe_as_a_usage_error(recipe, overrides, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

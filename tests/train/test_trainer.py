@@ -176,6 +176,13 @@ def test_a_checkpoint_resumes_only_where_its_position_means_the_same_rows(full_r
     assert words in str(refused.value) and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
+    """Padding changes no row, and a moved dump (or offline against online) holds rows checked by their digest."""
+    base = trainer._data_order(load_recipe("ci-tiny"), 1)
+    assert trainer._data_order(load_recipe("ci-tiny", ["data.pad_multiple=8", "data.hidden_states=/moved"]), 1) == base
+    assert trainer._data_order(load_recipe("ci-tiny", ["data.synthetic.seed=3"]), 1) != base
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["model.draft_vocab_size=32"], "holds another head (draft_vocab_size: 64 then, 32 now"),
     (["model.aux_layers=[1, 2, 3]"], "holds another head (aux_layers: [2, 2, 1] then, [1, 2, 3] now"),
