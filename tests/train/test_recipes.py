@@ -98,27 +98,19 @@ def test_extra_deepspeed_settings_the_recipe_does_not_own_pass():
     assert extra == {"zero_optimization": {"reduce_bucket_size": 5}}
 
 
-def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
-    """YAML keeps the last of two equal keys: a second `optim:` section would silently drop the first's lr."""
-    path = tmp_path / "twice.yaml"
-    path.write_text("model: {random_target: {}}\noptim: {lr: 3.0e-3, warmup_steps: 2}\noptim: {total_steps: 8}\n")
-    with pytest.raises(ConfigError, match=r"(?s)twice\.yaml: not valid YAML: .*key 'optim' given twice.*line 3"):
-        load_recipe(path)
-    path.write_text("model: {random_target: {}}\noptim: {lr: 3.0e-3, lr: 1.0e-3}\n")
-    with pytest.raises(ConfigError, match="key 'lr' given twice"):
-        load_recipe(path)
-
-
-def test_bad_file_names_file_and_key(tmp_path):
+@pytest.mark.parametrize("text, words", [
+    ("model:\n  random_target: {hidden_sise: 64}\n", r"bad\.yaml.*model\.random_target\.hidden_sise"),
+    ("model: {random_target: {}}\noptim: {betas: [0.9, fast]}\n", r"bad\.yaml: optim: field 'betas'"),
+    ("model: {target: /x, random_target: {}}\n", "exactly one of 'target', 'random_target' and 'random_arch'"),
+    # YAML keeps the last of two equal keys: a second `optim:` section would silently drop the first's lr.
+    ("model: {random_target: {}}\noptim: {lr: 3.0e-3, warmup_steps: 2}\noptim: {total_steps: 8}\n",
+     r"(?s)bad\.yaml: not valid YAML: .*key 'optim' given twice.*line 3"),
+    ("model: {random_target: {}}\noptim: {lr: 3.0e-3, lr: 1.0e-3}\n", "key 'lr' given twice"),
+])
+def test_bad_file_names_file_and_key(tmp_path, text, words):
     path = tmp_path / "bad.yaml"
-    path.write_text("model:\n  random_target: {hidden_sise: 64}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml.*model\.random_target\.hidden_sise"):
-        load_recipe(path)
-    path.write_text("model: {random_target: {}}\noptim: {betas: [0.9, fast]}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: optim: field 'betas'"):
-        load_recipe(path)
-    path.write_text("model: {target: /x, random_target: {}}\n")
-    with pytest.raises(ConfigError, match="exactly one of 'target', 'random_target' and 'random_arch'"):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
         load_recipe(path)
 
 
