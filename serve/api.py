@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -435,6 +436,21 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
     return app
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn serving `app` for `worker`. On Ctrl-C or SIGTERM uvicorn refuses new connections and waits for the
+    open ones before the app's lifespan ends; the worker is closed first, so that requests still running after
+    `grace_s` seconds end with a 503 or a stream's error event and [DONE], not a connection uvicorn cuts (its own wait
+    is the longer)."""
+
+    def __init__(self, app: FastAPI, worker: EngineWorker, grace_s: float = 30.0, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=int(grace_s) + 10, **config))
+        self.worker, self.grace_s = worker, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.worker.close(self.grace_s)
+        await super().shutdown(sockets)
+
+
 async def _join(pieces: AsyncIterator[str]) -> str:
     return "".join([piece async for piece in pieces])
 
@@ -458,7 +474,8 @@ async def _unless_disconnected(request: Request, work) -> str | None:
 
 
 class _CountResponses:
-    """ASGI middleware: counts responses by endpoint (unknown paths as "other") and status code."""
+    """ASGI middleware: counts responses by endpoint (the route's template, e.g. /v1/models/{name}; a path no route
+    matched as "other") and status code."""
 
     def __init__(self, app, metrics: Metrics, paths: set[str]):
         self.app, self.metrics, self.paths = app, metrics, paths
@@ -466,10 +483,12 @@ class _CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in self.paths else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
+                # Routing has put the matched route into this scope by now.
+                template = getattr(scope.get("route"), "path", None)
+                endpoint = template if template in self.paths else "other"
                 self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 

@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = default_dtype(args.device)
     if args.output_len < 2:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
+    if None in args.trees:
+        parser.error("--trees: off is always measured (each batch size's first row); list trees only")
     for flag, values in (("--input-len", [args.input_len]), ("--num-prompts", [args.num_prompts]),
                          ("--batch-sizes", args.batch_sizes), ("--repeats", [args.repeats])):
         if min(values) < 1:

@@ -26,7 +26,16 @@ import yaml
 from eyas.common.assets import DEFAULT_TARGET
 
 from .autotune import read_autotune
-from .commands import TOKEN_MAP_HELP, add_engine_arguments, add_tree_arguments, engine_options, load_models, tree_shape
+from .commands import (
+    TOKEN_MAP_HELP,
+    add_engine_arguments,
+    add_tree_arguments,
+    engine_options,
+    given_flags,
+    load_models,
+    refuse_unread,
+    tree_shape,
+)
 from .draft import TreeShape
 from .engine import Engine, EngineConfig
 from .worker import EngineWorker
@@ -121,11 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     # Flags typed here that another setting would silently override (a recipe's are overridden by design).
     if args.speculative == "off":
-        ignored = [f for f in ("draft", "token_map", "autotune") if f in typed]
-        if ignored:
-            parser.error(f"--speculative off serves the target alone: {_flags(ignored)} would be ignored")
-    if args.autotune and (trees := [f for f in ("num_steps", "topk", "num_draft_tokens") if f in typed]):
-        parser.error(f"--autotune sets the tree per batch size: {_flags(trees)} would be ignored")
+        refuse_unread(parser, typed, ("draft", "token_map", "autotune", "num_steps", "topk", "num_draft_tokens",
+                                      "draft_fp8"), "--speculative off serves the target alone")
+    if args.autotune:
+        refuse_unread(parser, typed, ("num_steps", "topk", "num_draft_tokens"),
+                      "--autotune sets the tree per batch size")
     if args.speculative == "on" and args.draft is None:
         if args.target != DEFAULT_TARGET:
             parser.error("--draft is required with --target (or serve without a head: --speculative off)")
@@ -137,23 +146,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The destinations of the flags in `argv` (abbreviated ones too), as argparse reads them: parsed with every
-    default suppressed, so a flag given its default value still counts."""
-    defaults = {action: action.default for action in parser._actions}
-    for action in defaults:
-        action.default = argparse.SUPPRESS
-    try:
-        return set(vars(parser.parse_known_args(argv)[0]))
-    finally:
-        for action, default in defaults.items():
-            action.default = default
-
-
-def _flags(dests: list[str]) -> str:
-    return ", ".join("--" + dest.replace("_", "-") for dest in dests)
-
-
 def model_name(spec: str, path: Path) -> str:
     """The name clients send: a packaged model's name as given, else the directory's name or the GGUF's stem."""
     if not Path(spec).expanduser().exists():
@@ -162,9 +154,7 @@ def model_name(spec: str, path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
-    from .api import create_app
+    from .api import GracefulServer, create_app
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -181,11 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[serve-eagle] warmed up (CUDA graphs and kernels for batch sizes up to {config.max_batch_size}) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     name = args.model_name or model_name(args.target, path)
-    app = create_app(EngineWorker(engine), tokenizer, name)
+    worker = EngineWorker(engine)
+    app = create_app(worker, tokenizer, name)
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")
           + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    # On Ctrl-C: new connections are refused, open ones get 30 s to finish (then their requests are aborted).
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=30)
+    # On Ctrl-C: new connections are refused, running requests get 30 s to finish (then they are aborted).
+    GracefulServer(app, worker, host=args.host, port=args.port).run()
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ class EngineClient(Client):
         return done
 
 
+class EndpointError(RuntimeError):
+    """An endpoint that cannot be reached or does not answer as an OpenAI chat server; the message names its URL."""
+
+
 class EndpointClient(Client):
     """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt. A running
     `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
@@ -107,16 +111,24 @@ class EndpointClient(Client):
             self.body["top_k"] = params.top_k
         self.pending: set[Future] = set()
 
+    def _request(self, method: str, path: str, **kwargs):
+        import httpx
+
+        try:
+            return self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as e:  # refused, unresolvable, timed out: httpx's message names no URL
+            raise EndpointError(f"{self.base_url}: {method} {path} failed: {e}") from None
+
     def _served_model(self) -> str:
-        response = self.client.get("/models")
+        response = self._request("GET", "/models")
         model = _field(response, lambda data: data["data"][0]["id"]) if response.status_code == 200 else None
         if not isinstance(model, str):
-            raise RuntimeError(f"{self.base_url}: GET /models gave HTTP {response.status_code} "
+            raise EndpointError(f"{self.base_url}: GET /models gave HTTP {response.status_code} "
                                f"{response.text[:200]!r}, no model to send; name one with --model")
         return model
 
     def _one(self, prompt: Conversation) -> Answer | None:
-        response = self.client.post("/chat/completions", json={**self.body, "messages": prompt})
+        response = self._request("POST", "/chat/completions", json={**self.body, "messages": prompt})
         # Only a prompt too long for the context is skipped: any other 400 (settings, a malformed conversation)
         # would fail every prompt alike.
         if response.status_code == 400 and (error := _error(response)).get("code") == "context_length_exceeded":
@@ -124,12 +136,12 @@ class EndpointClient(Client):
                         error.get("message"))
             return None
         if response.status_code != 200:
-            raise RuntimeError(f"{self.base_url}: HTTP {response.status_code}: {response.text[:500]}")
+            raise EndpointError(f"{self.base_url}: HTTP {response.status_code}: {response.text[:500]}")
         answer = _field(response, lambda data: Answer(
             data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"],
             (data.get("eyas") or {}).get("accepted_per_step") or []))
         if answer is None:
-            raise RuntimeError(f"{self.base_url}: POST /chat/completions gave HTTP 200 but not an OpenAI chat "
+            raise EndpointError(f"{self.base_url}: POST /chat/completions gave HTTP 200 but not an OpenAI chat "
                                f"completion: {response.text[:500]!r}")
         return answer
 

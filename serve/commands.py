@@ -54,6 +54,27 @@ def add_engine_arguments(parser) -> None:
                              "may change (measure it with eval-eagle)")
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The destinations of the flags in `argv` (abbreviated ones too), as argparse reads them: parsed with every
+    default suppressed, so a flag given its default value still counts."""
+    defaults = {action: action.default for action in parser._actions}
+    for action in defaults:
+        action.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_known_args(argv)[0]))
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+
+
+def refuse_unread(parser: argparse.ArgumentParser, given: set[str], unread: tuple[str, ...], why: str) -> None:
+    """A usage error if any flag of `unread` (destinations) was given (`given_flags`): a flag the chosen mode would
+    silently ignore."""
+    if ignored := [dest for dest in unread if dest in given]:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in ignored)
+        parser.error(f"{why}: {flags} would be ignored")
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:
     """--num-steps, --topk and --num-draft-tokens, defaulting to `default`; read them with `tree_shape`."""
     parser.add_argument("--num-steps", type=int, default=default.num_steps, help="draft tree depth")

@@ -40,14 +40,16 @@ from tqdm import tqdm
 from eyas.common.assets import asset_path
 from eyas.data.conversations import Conversation, read_json_lines
 
-from .clients import Client, EndpointClient, EngineClient
+from .clients import Client, EndpointClient, EndpointError, EngineClient
 from .commands import (
     TOKEN_MAP_HELP,
     add_engine_arguments,
     add_sampling_arguments,
     add_tree_arguments,
     engine_options,
+    given_flags,
     load_models,
+    refuse_unread,
     sampling_params,
     tree_shape,
 )
@@ -102,10 +104,13 @@ def load_questions(bench: str) -> list[list[str]]:
             questions.append([row["prompt"]])
         elif "messages" in row:
             try:
+                roles = {m["role"] for m in row["messages"]}
                 questions.append([m["content"] for m in row["messages"] if m["role"] == "user"])
             except (KeyError, TypeError):
                 raise ValueError(f"{path}, {place}: 'messages' should be a list of {{role, content}} objects, got "
                                  f"{row['messages']!r:.80}") from None
+            if "system" in roles:  # the questions are asked as user turns alone (the template's default system)
+                raise ValueError(f"{path}, {place}: a system message, which eval-eagle does not send: leave it out")
         else:
             raise ValueError(f"{path}, {place}: expected a 'prompt' or 'messages' field")
     return questions
@@ -215,7 +220,7 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
         **asdict(stats),
         "tokens_per_s": spec.tokens_per_s,
         "tokens_per_s_off": base.tokens_per_s if base else None,
-        "speedup": spec.tokens_per_s / base.tokens_per_s if base else None,
+        "speedup": spec.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
         "per_question": [
             {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc, "skipped": skip}
             for a, n, acc, skip in zip(spec.answers, spec.new_tokens, spec.accepted, spec.skipped, strict=True)
@@ -251,8 +256,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if bool(args.endpoint) == bool(args.target and args.draft):
         parser.error("give --target and --draft (in-process), or --endpoint")
-    if args.concurrency < 1:
-        parser.error("--concurrency must be at least 1")
+    given = given_flags(parser, argv)
+    if args.endpoint:
+        refuse_unread(parser, given, ("target", "draft", "token_map", "topk", "num_draft_tokens", "attention",
+                                      "disable_cuda_graph", "disable_overlap", "draft_fp8", "mem_fraction", "device"),
+                      "--endpoint measures a running server, whose settings are its own")
+    else:
+        refuse_unread(parser, given, ("endpoint_off", "model"), "in-process, both engines are built here")
+    for flag in ("concurrency", "max_new_tokens", "limit"):
+        if (value := getattr(args, flag)) is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
     params = sampling_params(parser, args)
 
@@ -261,14 +274,16 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     if not questions:
-        limit = f" (--limit {args.limit})" if args.limit is not None else ""
-        parser.error(f"--bench {args.bench}: no questions{limit}")
+        parser.error(f"--bench {args.bench}: no questions")
     settings = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency}
     if args.endpoint:
-        client_on = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
-        client_off = EndpointClient(args.endpoint_off, args.model, params, args.max_new_tokens) \
-            if args.endpoint_off and not args.no_baseline else None
+        try:
+            client_on = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
+            client_off = EndpointClient(args.endpoint_off, args.model, params, args.max_new_tokens) \
+                if args.endpoint_off and not args.no_baseline else None
+        except EndpointError as e:
+            parser.error(str(e))
         settings["endpoint"] = args.endpoint
     else:
         target, head, tokenizer, _ = load_models(args.target, args.draft, args.token_map, args.device)
@@ -285,10 +300,16 @@ def main(argv: list[str] | None = None) -> None:
         client_off = None if args.no_baseline else EngineClient(
             Engine(target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks)),
             tokenizer, params, args.max_new_tokens)
-    report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
-                             args.concurrency)
+    try:
+        report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
+                                 args.concurrency)
+    except EndpointError as e:  # a server gone or failing mid-run
+        raise SystemExit(f"eval-eagle: error: {e}") from None
     write_report(args.output, report, stats)
     print((args.output / "report.md").read_text())
+    if not any(q["new_tokens"] for q in report["per_question"]):
+        raise SystemExit(f"eval-eagle: error: every question's first prompt was refused (no room in the context to "
+                         f"answer it): nothing was measured; report in {args.output}")
 
 
 if __name__ == "__main__":

@@ -126,11 +126,18 @@ class EngineWorker:
         arrives, with the engine's reason if it had finished already."""
         self._inbox.put(("abort", stream, reason, None))
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops accepting requests, lets running ones finish for `timeout` seconds, aborts the rest, joins."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops accepting requests and lets running ones finish for `timeout` seconds; the engine thread then aborts
+        the rest (a 503, or a stream's error event) and ends. Returns at once; a second call changes nothing."""
         with self._closing:
+            if self._closed:
+                return
             self._closed = True
         self._inbox.put(("stop", None, time.monotonic() + timeout, None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """`close`, then waits for the engine thread to end."""
+        self.close(timeout)
         self._thread.join()
 
     # ---- engine thread ----------------------------------------------------------------------------

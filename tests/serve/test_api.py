@@ -20,13 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from eyas.common.assets import asset_path
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import load_tokenizer
-from eyas.serve.api import Generation, create_app
+from eyas.serve.api import Generation, GracefulServer, create_app
 from eyas.serve.clients import EndpointClient
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.sampling import SamplingParams
@@ -56,21 +55,22 @@ def tiny_models() -> tuple[TargetModel, object]:
 
 
 class Server:
-    """uvicorn serving the tiny models in a thread, on a free loopback port."""
+    """uvicorn serving the tiny models in a thread, on a free loopback port, as serve-eagle does (`GracefulServer`,
+    running requests given `grace_s` at shutdown)."""
 
-    def __init__(self, speculative: bool = True, num_blocks: int = 128, tok=None):
+    def __init__(self, speculative: bool = True, num_blocks: int = 128, tok=None, grace_s: float = 30.0):
         target, head = tiny_models()
         config = EngineConfig(speculative=speculative, tree=TreeShape(3, 2, 5), block_size=16, num_blocks=num_blocks)
         self.worker = EngineWorker(Engine(target, head, config))
         self.metrics = self.worker.metrics
         self.app = create_app(self.worker, tok or tokenizer(), MODEL)
-        self.num_blocks = num_blocks
+        self.num_blocks, self.grace_s = num_blocks, grace_s
 
     def __enter__(self) -> Server:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.server = GracefulServer(self.app, self.worker, self.grace_s, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -241,6 +241,10 @@ def test_models_health_metrics(server):
                 for s in f.samples if not s.labels}
     assert exported["eyas_kv_blocks_free"] == server.num_blocks and exported["eyas_generation_tokens_total"] >= 4
     assert server.metric("eyas_http_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
+    # A path with a parameter counts under its route's template; a path no route matches, as "other".
+    assert client.models.retrieve(MODEL).id == MODEL and httpx.get(f"{server.url}/v1/nowhere").status_code == 404
+    assert server.metric("eyas_http_requests_total", endpoint="/v1/models/{name:path}", status="200") >= 1
+    assert server.metric("eyas_http_requests_total", endpoint="other", status="404") >= 1
     assert server.metric("eyas_generation_tokens_total") >= 4
     assert server.metric("eyas_prompt_tokens_total") > 10
     assert server.metric("eyas_verify_steps_total") >= 1
@@ -535,6 +539,31 @@ def test_a_request_the_shutdown_aborts_is_an_error(stream, monkeypatch):
         assert r.status_code == 503
         error = r.json()["error"]
     assert error["type"] == "service_unavailable" and "shut down" in error["message"], r.text
+
+
+def test_stopping_the_server_ends_a_running_stream_with_an_error_event(monkeypatch):
+    """Ctrl-C: uvicorn waits for open connections before the app's lifespan ends, so the worker is closed first and a
+    stream still running after the grace period ends with an error event and [DONE] (uvicorn cut it before, after its
+    own wait: a half-sent response); its KV blocks are freed."""
+    with Server(speculative=False, num_blocks=32, grace_s=0.5) as s, ThreadPoolExecutor() as pool:
+        decode = s.worker.engine._decode
+
+        def slow(requests, after=None):  # a token every 50 ms: the answer outlasts the grace period
+            time.sleep(0.05)
+            return decode(requests, after)
+
+        monkeypatch.setattr(s.worker.engine, "_decode", slow)
+        body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 200, "stream": True, "temperature": 1.0}
+        answer = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=30)
+        until(lambda: s.metric("eyas_generation_tokens_total") > 0)
+        s.server.should_exit = True
+        r = answer.result(20)
+        s.thread.join(20)
+        assert not s.thread.is_alive()
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    error = json.loads(r.text.split("data: ")[-2])["error"]
+    assert error["type"] == "service_unavailable" and "shut down" in error["message"], r.text
+    assert s.idle()
 
 
 def until(condition, timeout: float = 10.0) -> None:

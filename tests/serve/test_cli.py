@@ -84,6 +84,7 @@ def test_autotune_file_is_read_and_checked(tmp_path, capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--speculative", "off", "--draft", "head"], "--speculative off serves the target alone: --draft would be"),
     (["--speculative", "off", "--token-map", "f.pt", "--autotune", "A"], "--token-map, --autotune would be ignored"),
+    (["--speculative", "off", "--topk", "2", "--draft-fp8"], "--topk, --draft-fp8 would be ignored"),
     (["--autotune", "A", "--num-steps", "5", "--topk", "1"], "--autotune sets the tree per batch size: --num-steps, "
                                                               "--topk would be ignored"),
     (["--max-batch-size", "0"], "max_batch_size"),

@@ -44,6 +44,8 @@ def test_packaged_benchmarks_load():
     (['{"prompt": "Hi"}', '', '["Hi"]'], ["q.jsonl, line 3: expected a JSON object, got list"]),
     (['{"messages": [{"content": "Hi"}]}'], ["q.jsonl, line 1: 'messages' should be a list of {role, content}"]),
     (['{"question": "Hi"}'], ["q.jsonl, line 1: expected a 'prompt' or 'messages' field"]),
+    (['{"prompt": "Hi"}', '{"messages": [{"role": "system", "content": "Answer in French."}, {"role": "user", '
+      '"content": "Hello"}]}'], ["q.jsonl, line 2: a system message, which eval-eagle does not send"]),
 ])
 def test_bad_prompt_file_is_named_by_line(tmp_path, capsys, lines, words):
     path = tmp_path / "q.jsonl"
@@ -54,8 +56,12 @@ def test_bad_prompt_file_is_named_by_line(tmp_path, capsys, lines, words):
     assert stopped.value.code == 2 and all(word in err for word in words), err
 
 
-@pytest.mark.parametrize("text, limit, words", [("", [], "q.jsonl: no questions"),
-                                                ('{"prompt": "Hi"}\n', ["--limit", "0"], "no questions (--limit 0)")])
+@pytest.mark.parametrize("text, limit, words", [
+    ("", [], "q.jsonl: no questions"),
+    ('{"prompt": "Hi"}\n', ["--limit", "0"], "--limit must be at least 1, got 0"),
+    ('{"prompt": "Hi"}\n', ["--limit", "-1"], "--limit must be at least 1, got -1"),  # it dropped the last question
+    ('{"prompt": "Hi"}\n', ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+])
 def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
     path = tmp_path / "q.jsonl"
     path.write_text(text)
@@ -82,9 +88,8 @@ def test_a_tree_the_head_cannot_draft_is_a_usage_error(tmp_path, capsys, monkeyp
 
 def test_prompt_file_questions(tmp_path):
     path = tmp_path / "q.jsonl"
-    path.write_text('{"prompt": "One"}\n\n{"messages": [{"role": "system", "content": "S"}, '
-                    '{"role": "user", "content": "Two"}, {"role": "assistant", "content": "A"}, '
-                    '{"role": "user", "content": "Three"}]}\n')
+    path.write_text('{"prompt": "One"}\n\n{"messages": [{"role": "user", "content": "Two"}, '
+                    '{"role": "assistant", "content": "A"}, {"role": "user", "content": "Three"}]}\n')
     assert load_questions(str(path)) == [["One"], ["Two", "Three"]]
 
 
@@ -168,6 +173,30 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, 
 
     client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
     return client, sent
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--endpoint", "http://127.0.0.1:9/v1", "--target", "t", "--topk", "4", "--draft-fp8"],
+     "--endpoint measures a running server, whose settings are its own: --target, --topk, --draft-fp8 would be "
+     "ignored"),
+    (["--target", "t", "--draft", "d", "--endpoint-off", "http://x/v1", "--model", "m"],
+     "in-process, both engines are built here: --endpoint-off, --model would be ignored"),
+    (["--endpoint", "http://127.0.0.1:9/v1"], "http://127.0.0.1:9/v1: GET /models failed: "),  # nothing listens
+])
+def test_flags_the_mode_does_not_read_and_an_unreachable_endpoint_are_usage_errors(flags, words, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(flags)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_run_whose_every_prompt_was_refused_has_no_speedup():
+    """No tokens on either side: the speedup is unknown (a division by zero ended the run before its report)."""
+    too_long = {"code": "context_length_exceeded", "message": "too long"}
+    client_on, _ = fake_endpoint({"One": (400, too_long)})
+    client_off, _ = fake_endpoint({"One": (400, too_long)})
+    report, _ = evaluate([["One"]], client_on, client_off, depth=3, bench="fake", settings={})
+    assert report["skipped"] == 1 and report["tokens_per_s_off"] == 0 and report["speedup"] is None
 
 
 def test_endpoint_without_models_asks_for_one():
