@@ -189,11 +189,11 @@ def resolve_asset(spec: str | Path, kind: str = "data") -> Path:
     raise FileNotFoundError(f"{kind} '{spec}' is neither an existing path nor a {what} ({', '.join(names)})")
 
 
-def resolve_asset_argument(parser: argparse.ArgumentParser, flag: str, spec: str) -> Path:
+def resolve_asset_argument(parser: argparse.ArgumentParser, flag: str, spec: str, kind: str = "data") -> Path:
     """`resolve_asset` for a command line, called after parsing (not as a `type=`, which would fetch a packaged
     asset before the other flags are checked): a bad value is a usage error naming the flag and the reason."""
     try:
-        return resolve_asset(spec)
+        return resolve_asset(spec, kind)
     except (FileNotFoundError, AssetError) as e:
         parser.error(f"argument {flag}: {e}")
 

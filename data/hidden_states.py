@@ -190,6 +190,10 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.store = index["store"]  # "hidden" or "logits": the key of the last tensor of each row
         self.shards = index["shards"]  # [{file, lengths, digest}] (module docstring)
         self.files = [s["file"] for s in index["shards"]]
+        if missing := [f for f in self.files if not (self.path / f).is_file()]:  # else found mid-training
+            raise ConfigError(f"{self.path}: {missing[0]} ({len(missing)} of the {len(self.files)} shards {INDEX} "
+                              "lists are missing); rerun the dump (train-eagle --dump-hidden-states): it resumes at "
+                              "the first missing shard")
         self.shard_of = [k for k, s in enumerate(index["shards"]) for _ in s["lengths"]]  # conversation -> shard
         self.lengths = [n for s in index["shards"] for n in s["lengths"]]  # conversation -> T
         self._open: dict[int, safe_open] = {}

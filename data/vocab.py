@@ -45,7 +45,6 @@ def draft_vocab(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eyas.common.assets import resolve_target
     from eyas.common.checkpoint import target_config
     from eyas.data.conversations import FORMATS, ConversationError
     from eyas.data.dataset import DataConfig, build_dataset
@@ -71,12 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.size < 1 or args.max_length < 1:
         parser.error(f"--size and --max-length must be at least 1, got {args.size} and {args.max_length}")
-    if not args.output.parent.is_dir():  # found out now, not after the whole data set is counted
-        parser.error(f"--output {args.output}: no directory {args.output.parent}")
+    if not args.output.parent.is_dir() or args.output.is_dir():  # found out now, not after the whole data is counted
+        parser.error(f"--output {args.output}: " + ("a directory; give the map's file name" if args.output.is_dir()
+                                                     else f"no directory {args.output.parent}"))
     data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    target = resolve_target(args.target)
+    target = resolve_asset_argument(parser, "--target", args.target, kind="target")
     tokenizer = load_tokenizer(target)
     if tokenizer.chat_template is None:  # else the first conversation fails deep inside the tokenizing
         parser.error(f"--target {args.target}: its tokenizer has no chat template (a base model?), so the assistant's "
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = build_dataset(data, tokenizer, config)
     except ConversationError as e:  # a file with no usable conversation: its message names the file
         parser.error(f"--data: {e}")
+    if len(rows) == 0:
+        parser.error(f"--data {args.data}: no conversation with loss tokens (all cut off by --max-length "
+                     f"{args.max_length}, or skipped by the chat template: see above)")
     counts = token_counts(rows, target_config(target).vocab_size)
     hot = draft_vocab(counts, args.size, order="by_frequency")
     hot.save_token_map(args.output)

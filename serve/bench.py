@@ -51,7 +51,7 @@ from .commands import (
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
-    load_models,
+    load_models_for,
     sampling_params,
     tree_setting,
 )
@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--draft-vocab sizes the random head of --random-weights; a trained head has its own")
         if not (args.target and args.draft):
             parser.error("give --target and --draft, or --random-weights")
-        target, head, tokenizer, path = load_models(args.target, args.draft, args.token_map, args.device, dtype)
+        target, head, tokenizer, path = load_models_for(parser, args.target, args.draft, args.token_map, args.device,
+                                                        dtype)
     n = max(batch_prompt_count(bs, args.num_prompts) for bs in args.batch_sizes)
     try:
         if args.prompts in PROMPT_SETS:

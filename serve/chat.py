@@ -15,7 +15,7 @@ import torch
 from eyas.common.assets import DEFAULT_TARGET
 from eyas.data.tokenizer import render_chat, stop_token_ids
 
-from .commands import load_models
+from .commands import load_models_for
 from .generate import greedy_tokens
 from .text import TextStream
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-new-tokens must be positive")
 
     started = time.perf_counter()
-    model, _, tokenizer, path = load_models(args.target, device=args.device)
+    model, _, tokenizer, path = load_models_for(parser, args.target, device=args.device)
     print(f"[loaded {path.name} in {time.perf_counter() - started:.1f}s on {args.device}]", file=sys.stderr)
 
     messages = ([{"role": "system", "content": args.system}] if args.system else [])

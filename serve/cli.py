@@ -158,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
-                                                args.token_map, args.device, DTYPES.get(args.dtype))
+    try:
+        target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
+                                                    args.token_map, args.device, DTYPES.get(args.dtype))
+    except FileNotFoundError as e:  # a missing target, head or token map, named
+        raise SystemExit(f"serve-eagle: error: {e}") from None
     config = dataclasses.replace(args.engine, speculative=head is not None)
     try:
         engine = Engine(target, head, config)

@@ -32,12 +32,12 @@ from .sampling import SamplingParams
 def engine_options(args) -> dict:
     """The EngineConfig fields `add_engine_arguments`' options set."""
     return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph,
-            "overlap": not args.disable_overlap, "draft_fp8": args.draft_fp8}
+            "overlap": not args.disable_overlap, "draft_fp8": getattr(args, "draft_fp8", False)}
 
 
-def add_engine_arguments(parser) -> None:
+def add_engine_arguments(parser, draft: bool = True) -> None:
     """The engine options every serving command shares: `--attention`, `--disable-cuda-graph`, `--disable-overlap`
-    and `--draft-fp8`."""
+    and (`draft`: for a command that loads a head) `--draft-fp8`."""
     parser.add_argument("--attention", choices=BACKENDS, default="auto",
                         help="attention backend: triton (paged kernels, CUDA graphs), flashinfer (needs "
                              "flashinfer-python; no CUDA graphs), torch (reference), or auto: triton on CUDA when "
@@ -47,6 +47,8 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--disable-overlap", action="store_true",
                         help="run decode steps one at a time: by default a step is queued before the last one's "
                              "tokens reach the host, so the host's work between steps overlaps the GPU's")
+    if not draft:
+        return
     parser.add_argument("--draft-fp8", action="store_true",
                         help="round the draft head's linear weights to float8 (a power-of-two scale per row): on "
                              "CUDA its passes of up to 16 rows (a chain's or a tree's at batch 1) then read half the "
@@ -118,7 +120,8 @@ def sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"{flag}: {e}")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if params.greedy and (params.top_p < 1 or params.top_k > 0):
-        parser.error("--top-p and --top-k filter sampled tokens: set --temperature above 0 (0 decodes greedily)")
+        filters = "--top-p and --top-k filter" if "--top-k" in parser._option_string_actions else "--top-p filters"
+        parser.error(f"{filters} sampled tokens: set --temperature above 0 (0 decodes greedily)")
     return params
 
 
@@ -142,6 +145,14 @@ class Models(NamedTuple):
     head: DraftHead | None
     tokenizer: PreTrainedTokenizerBase
     path: Path  # the target's directory or .gguf file
+
+
+def load_models_for(parser: argparse.ArgumentParser, *args, **kwargs) -> Models:
+    """`load_models` for a command line: a missing target, head or token map is a usage error naming it."""
+    try:
+        return load_models(*args, **kwargs)
+    except FileNotFoundError as e:
+        parser.error(str(e))
 
 
 def load_models(target: str | Path, draft: str | Path | None = None, token_map: str | Path | None = None,

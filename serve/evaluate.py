@@ -48,7 +48,7 @@ from .commands import (
     add_tree_arguments,
     engine_options,
     given_flags,
-    load_models,
+    load_models_for,
     refuse_unread,
     sampling_params,
     tree_shape,
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
         settings["endpoint"] = args.endpoint
     else:
-        target, head, tokenizer, _ = load_models(args.target, args.draft, args.token_map, args.device)
+        target, head, tokenizer, _ = load_models_for(parser, args.target, args.draft, args.token_map, args.device)
         settings["tree"] = asdict(tree)
         # With a baseline, the speculative engine takes half the share, and the baseline as many KV blocks (built
         # second, a share of what was then free would leave it a fraction: fewer rows at once, a slower baseline).

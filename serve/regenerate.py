@@ -8,12 +8,13 @@ Turn by turn: assistant turn j is rewritten from the conversation's earlier (alr
 `--batch-size` conversations are in flight at once, each with at most one pending reply; as soon as a reply
 comes back its conversation asks for its next turn, and a finished conversation is written and replaced by
 the next one (no turn waits for the others). Replies come from eyas's engine in-process (continuous
-batching) or from any OpenAI-compatible endpoint (concurrent requests). The output is OpenAI `messages`
-JSONL, one line per conversation with its index in the input (`{"index": i, "messages": [...]}`), in the
-order conversations finish. A conversation left without an assistant turn (its first prompt refused or answered
-empty) is listed in `<output>.dropped` instead (`{"index": i}` lines). A rerun skips the indices in either file, so
-an interrupted run resumes where it stopped (delete the `.dropped` file to ask for those again, say with a larger
-`--max-prompt-tokens`).
+batching) or from any OpenAI-compatible endpoint (concurrent requests). The output is OpenAI `messages` JSONL, one
+line per conversation, `{"index": i, "place": "record 12", "messages": [...]}`, in the order conversations finish:
+`index` counts the input's readable conversations from 0 (records the reader skips, named in its log, are not
+counted), `place` is the record's line or number in the file. A conversation left without an assistant turn (its first
+prompt refused or answered empty) is listed in `<output>.dropped` instead (`{"index": i}` lines). A rerun skips the
+indices in either file, so an interrupted run resumes where it stopped (delete the `.dropped` file to ask for those
+again, say with a larger `--max-prompt-tokens`).
 Ctrl-C (or `timeout -s INT`) stops it with exit code 130 and every finished conversation written.
 """
 
@@ -30,10 +31,18 @@ import torch
 from tqdm import tqdm
 
 from eyas.common.assets import resolve_asset, resolve_asset_argument
-from eyas.data.conversations import Conversation, read_conversations
+from eyas.data.conversations import Conversation, read_placed_conversations
 
-from .clients import Client, EndpointClient, EngineClient
-from .commands import add_engine_arguments, add_sampling_arguments, engine_options, load_models, sampling_params
+from .clients import Client, EndpointClient, EndpointError, EngineClient
+from .commands import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_options,
+    given_flags,
+    load_models_for,
+    refuse_unread,
+    sampling_params,
+)
 from .engine import Engine, EngineConfig
 
 
@@ -65,9 +74,9 @@ class Rewrite:
         return self.out[:-1] if self.out and self.out[-1]["role"] != "assistant" else self.out
 
 
-def regenerate(conversations: Iterable[tuple[int, Conversation]], client: Client, in_flight: int
-               ) -> Iterator[tuple[int, Conversation]]:
-    """Yields (index, rewritten conversation) as each finishes, keeping `in_flight` conversations pending.
+def regenerate(conversations: Iterable[tuple[object, Conversation]], client: Client, in_flight: int
+               ) -> Iterator[tuple[object, Conversation]]:
+    """Yields (key, rewritten conversation) as each finishes, keeping `in_flight` conversations pending.
     A refused prompt ends its conversation."""
     source = iter(conversations)
     active: dict[object, tuple[int, Rewrite]] = {}
@@ -133,15 +142,16 @@ def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: 
     dropped = dropped_file(output)
     done = written_indices(output, repair=True) | written_indices(dropped, repair=True)
     i_shard, n_shards = shard
-    pending = ((i, c) for i, c in enumerate(islice(read_conversations(path), limit))
-               if i % n_shards == i_shard and i not in done)
-    total = None if limit is None else len(range(i_shard, limit, n_shards))  # this shard's share of `limit`
+    # Read whole before the first reply (the reader parses the file at once anyway): the bar gets its total.
+    todo = [((i, place), c) for i, (place, c) in enumerate(islice(read_placed_conversations(path), limit))
+            if i % n_shards == i_shard and i not in done]
     written = 0
     with (open(output, "a") as f, open(dropped, "a") as f_dropped,
-          tqdm(desc="regenerating", unit="conv", initial=len(done), total=total) as bar):
-        for index, messages in regenerate(pending, client, batch_size):
+          tqdm(desc=f"regenerating ({len(done)} done before)" if done else "regenerating", unit="conv",
+               total=len(todo)) as bar):
+        for (index, place), messages in regenerate(todo, client, batch_size):
             if any(m["role"] == "assistant" for m in messages):
-                f.write(json.dumps({"index": index, "messages": messages}) + "\n")
+                f.write(json.dumps({"index": index, "place": place, "messages": messages}) + "\n")
                 f.flush()  # a whole line on disk per conversation: an interrupted run resumes from here
                 written += 1
             else:  # not for training, but finished: a rerun does not ask again
@@ -176,24 +186,39 @@ def main(argv: list[str] | None = None) -> None:
                         "in-process only)")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                         help="take conversations I, I+N, I+2N, ... (e.g. 0/2 and 1/2 on two GPUs)")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, draft=False)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
     if (args.target is None) == (args.endpoint is None):
         parser.error("give exactly one of --target (in-process) and --endpoint")
-    if args.endpoint and args.max_prompt_tokens is not None:  # prompts are counted in the target's tokens
-        parser.error("--max-prompt-tokens needs --target: an endpoint's prompts are not tokenized here")
+    given = given_flags(parser, argv)
+    if args.endpoint:  # prompts are counted in the target's tokens; the engine is the server's
+        refuse_unread(parser, given, ("max_prompt_tokens", "attention", "disable_cuda_graph", "disable_overlap",
+                                      "device"), "--endpoint answers with a running server, whose settings are its own")
+    else:
+        refuse_unread(parser, given, ("model",), "--target answers in-process")
+    for flag in ("batch_size", "max_new_tokens", "max_prompt_tokens", "limit"):
+        if (value := getattr(args, flag)) is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if not args.output.parent.is_dir():
+        parser.error(f"--output {args.output}: no directory {args.output.parent}")
     data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
+    try:  # a damaged line of an earlier run's output, found before the target loads
+        written_indices(args.output), written_indices(dropped_file(args.output))
+    except ValueError as e:
+        parser.error(f"--output: {e}")
     try:
         if args.endpoint:
             client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
         else:
-            target, _, tokenizer, _ = load_models(args.target, device=args.device)
+            target, _, tokenizer, _ = load_models_for(parser, args.target, device=args.device)
             config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
             client = EngineClient(Engine(target, None, config), tokenizer, params, args.max_new_tokens,
                                   args.max_prompt_tokens)
         n = regenerate_file(data, args.output, client, args.batch_size, args.limit, args.shard)
+    except EndpointError as e:  # unreachable, or failing mid-run: every finished conversation is written
+        raise SystemExit(f"regenerate: error: {e}; rerun the same command to resume") from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGINT from `timeout -s INT`: every line written is whole and flushed
         print(f"interrupted: {len(written_indices(args.output))} conversations written to {args.output}; "
               "rerun the same command to resume", file=sys.stderr)

@@ -13,7 +13,7 @@ MFU = achieved FLOP/s over the dense bf16 peak given (default 989 TFLOP/s, an H1
 `--profile N` runs the same under `torch.profiler` and lists the N kernels that take the most device time in a
 measured step (off CUDA: the operators a step calls), which is where a faster step has to come from:
 
-    python -m eyas.train.bench --recipe bench-llama3.1-8b --set model.random_arch=smollm2-135m \
+    python -m eyas.train.bench --recipe bench-llama3.1-8b --set model.random_arch=smollm2-135m \\
         --set data.synthetic.batch_size=4 --profile 25
 """
 

@@ -114,6 +114,8 @@ def head_config(cfg: ModelConfig, target: TargetConfig) -> Eagle3Config:
     target's vocab, as the draft vocabulary is), fusing the streams entering `model.aux_layers` (None: the default
     [2, L//2, L-3], which the exported config then leaves implicit)."""
     aux = tuple(cfg.aux_layers) if cfg.aux_layers is not None else None
+    if aux == target.default_aux_layers:  # left implicit, as every engine reads it (DESIGN, "Aux hidden states")
+        aux = None
     config = Eagle3Config.for_target(target, min(cfg.draft_vocab_size, target.vocab_size), aux_layers=aux)
     try:
         config.aux_layers_for(target)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from eyas.common.config import ConfigError
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
@@ -93,6 +94,9 @@ def test_resume_recreates_the_missing_shard(target, rows, tmp_path):
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     *_, last = sorted(p for p in tmp_path.glob("shard_*.safetensors"))
     last.unlink()
+    with pytest.raises(ConfigError, match=rf"{last.name} \(1 of the \d+ shards index.json lists are missing\); "
+                                          "rerun the dump"):
+        HiddenStateDataset(tmp_path, target, aux_layers)  # found when training opens it, not when it reaches it
 
     calls = []
     hook = target.register_forward_hook(lambda *_: calls.append(1))

@@ -75,6 +75,20 @@ def test_cli_names_a_file_without_a_usable_conversation(smollm2_tokenizer, tmp_p
     assert stopped.value.code == 2 and "--data: no usable conversation" in err and "Traceback" not in err
 
 
+def test_cli_names_data_whose_every_row_is_cut_off(smollm2_tokenizer, tmp_path, capsys):
+    """Every assistant part past --max-length: no rows to count (a traceback deep in the counting before)."""
+    smollm2_tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "target" / "config.json").write_text(json.dumps(hf_config_dict("llama",
+                                                                               vocab_size=len(smollm2_tokenizer))))
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", str(tmp_path / "target"), "--data", str(data), "--output", str(tmp_path / "freq.pt"),
+              "--max-length", "3", "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "no conversation with loss tokens (all cut off by --max-length 3" in err
+
+
 def test_cli_names_a_missing_data_file(tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(SystemExit) as stopped:  # a usage error before the (here unloadable) target loads
@@ -86,7 +100,10 @@ def test_cli_names_a_missing_data_file(tmp_path, capsys):
 @pytest.mark.parametrize("args, words", [(["--size", "0"], "--size and --max-length must be at least 1, got 0 and"),
                                          (["--max-length", "0"], "must be at least 1, got 32000 and 0"),
                                          (["--output", "no/such/dir/freq.pt"], "--output no/such/dir/freq.pt: no "
-                                          "directory no/such/dir")])
+                                          "directory no/such/dir"),
+                                         (["--output", "."], "--output .: a directory; give the map's file name"),
+                                         (["--target", "no-such-model"], "argument --target: target 'no-such-model' "
+                                          "is neither an existing path")])
 def test_cli_refuses_bad_sizes_and_paths_before_counting(tmp_path, capsys, args, words):
     data = tmp_path / "d.jsonl"
     data.write_text("")

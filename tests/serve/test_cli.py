@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.serve import bench, evaluate, profile, regenerate
+from eyas.serve import bench, chat, cli, evaluate, profile, regenerate
 from eyas.serve.cli import SERVE_RECIPES, model_name, parse_args
 from eyas.serve.commands import engine_options
 from eyas.serve.engine import EngineConfig
@@ -136,9 +136,27 @@ def test_impossible_tree_is_a_usage_error(capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--temperature", "-1"], "--temperature: temperature must be a finite number"),
     (["--temperature", "0.7", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
-    (["--top-p", "0.5"], "--top-p and --top-k filter sampled tokens: set --temperature above 0"),
+    (["--top-p", "0.5"], "sampled tokens: set --temperature above 0"),
 ], ids=["temperature", "top-p", "filter-when-greedy"])
 def test_sampling_flags_are_usage_errors_before_anything_loads(main, args, flags, words, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(args + flags)
-    assert stopped.value.code == 2 and words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and words in err
+    if "sampled tokens" in words:  # eval-eagle's --topk is the tree's: the message names no --top-k it lacks
+        assert ("--top-k" in err.split("error:")[1]) == (main is not evaluate.main)
+
+
+MISSING_TARGET = "target '/no/such/model' is neither an existing path nor a packaged model"
+
+
+@pytest.mark.parametrize("main, args, words", [
+    (cli.main, ["--speculative", "off"], MISSING_TARGET),
+    (chat.main, ["Hi", "--device", "cpu"], MISSING_TARGET),
+    (evaluate.main, ["--draft", "/no/such/head", "--device", "cpu"], "draft head /no/such/head: no such directory"),
+], ids=["serve-eagle", "chat", "eval-eagle"])
+def test_a_missing_model_is_named_without_a_traceback(main, args, words, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "/no/such/model", *args])
+    said = f"{stopped.value.code} {capsys.readouterr().err}"
+    assert words in said and "Traceback" not in said

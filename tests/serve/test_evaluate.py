@@ -73,11 +73,11 @@ def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
 def test_a_tree_the_head_cannot_draft_is_a_usage_error(tmp_path, capsys, monkeypatch):
     """topk past the head's draft vocabulary, found once the head is loaded (where a raw traceback was)."""
     from eyas.common.architectures import random_target
-    from eyas.serve import evaluate as evaluate_module
+    from eyas.serve import commands
     from eyas.serve.bench import random_head
 
     target = random_target("tiny", torch.float32, "cpu")
-    monkeypatch.setattr(evaluate_module, "load_models", lambda *args: (target, random_head(target, 4), None, None))
+    monkeypatch.setattr(commands, "load_models", lambda *args: (target, random_head(target, 4), None, None))
     path = tmp_path / "q.jsonl"
     path.write_text('{"prompt": "Hi"}\n')
     with pytest.raises(SystemExit) as stopped:
@@ -133,8 +133,10 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     for name in ("report.md", "acceptance.png", "tau.png"):
         assert (tmp_path / "eval" / name).stat().st_size > 0
     assert "speedup" in capsys.readouterr().out
-    with pytest.raises(FileNotFoundError, match="no-head"):  # the missing file is named
+    with pytest.raises(SystemExit) as stopped:  # the missing head is a usage error naming it
         main([*args, "--draft", str(tmp_path / "no-head"), "--output", str(tmp_path / "missing")])
+    assert stopped.value.code == 2 and f"draft head {tmp_path / 'no-head'}: no such directory" in (
+        capsys.readouterr().err)
 
 
 def test_eval_eagle_against_running_servers(tmp_path):

@@ -63,7 +63,7 @@ def test_file_resumes_after_interruption(tmp_path):
     assert regenerate_file(data, out, EchoClient(calls), batch_size=2) == 2
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4] and calls == [1, 1]  # only the two left ran
-    assert rows[4]["messages"] == conv("q4", "1:q4")
+    assert rows[4]["messages"] == conv("q4", "1:q4") and rows[4]["place"] == "line 5"
     # A whole record whose newline was cut is rewritten too (appending to it would join two records).
     out.write_text(out.read_text()[:-1])
     assert regenerate_file(data, out, EchoClient([]), batch_size=2) == 1
@@ -123,11 +123,40 @@ def test_interrupt_stops_cleanly_and_resumes(tmp_path, monkeypatch, capsys):
     assert sorted(json.loads(line)["index"] for line in out.read_text().splitlines()) == [0, 1, 2, 3, 4]
 
 
-def test_max_prompt_tokens_needs_the_target(tmp_path, capsys):
+@pytest.mark.parametrize("flags, words", [
+    (["--endpoint", "http://unused", "--max-prompt-tokens", "8", "--device", "cpu"],
+     "--endpoint answers with a running server, whose settings are its own: --max-prompt-tokens, --device would be "
+     "ignored"),
+    (["--target", "unused", "--model", "m"], "--target answers in-process: --model would be ignored"),
+    (["--target", "unused", "--draft-fp8"], "unrecognized arguments: --draft-fp8"),  # no head here
+    (["--target", "unused", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--target", "unused", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--target", "unused", "--limit", "-1"], "--limit must be at least 1, got -1"),
+])
+def test_flags_are_checked_before_anything_runs(tmp_path, capsys, flags, words):
+    """A --max-new-tokens of 0 refused every prompt, which listed every conversation as dropped for good."""
+    with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
+        regenerate_module.main(["--data", "unused", "--output", str(tmp_path / "out.jsonl"), *flags])
+    assert stopped.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl.dropped").exists()
+
+
+def test_a_damaged_output_is_a_usage_error_before_the_target_loads(tmp_path, capsys):
+    data, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    data.write_text(json.dumps({"messages": conv("q", "a")}) + "\n")
+    out.write_text('{not json\n{"index": 0, "messages": []}\n')
     with pytest.raises(SystemExit) as stopped:
-        regenerate_module.main(["--data", "unused", "--output", str(tmp_path / "out.jsonl"),
-                                "--endpoint", "http://unused", "--max-prompt-tokens", "8"])
-    assert stopped.value.code == 2 and "--max-prompt-tokens needs --target" in capsys.readouterr().err
+        regenerate_module.main(["--data", str(data), "--output", str(out), "--target", "unused"])
+    assert stopped.value.code == 2 and "--output: " in (err := capsys.readouterr().err) and "line 1" in err
+
+
+def test_an_unreachable_endpoint_is_named_without_a_traceback(tmp_path, capsys):
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"messages": conv("q", "a")}) + "\n")
+    with pytest.raises(SystemExit) as stopped:  # nothing listens on port 9
+        regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "o.jsonl"),
+                                "--endpoint", "http://127.0.0.1:9/v1"])
+    assert "regenerate: error: http://127.0.0.1:9/v1: GET /models failed" in str(stopped.value)
 
 
 def test_missing_data_is_a_usage_error_before_the_target_loads(tmp_path, capsys):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eyas.common.architectures import architecture_config
 from eyas.common.config import ConfigError, TargetConfig
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.train import checkpoint, trainer
@@ -174,6 +175,16 @@ def test_a_checkpoint_resumes_only_where_its_position_means_the_same_rows(full_r
     with pytest.raises(ConfigError) as refused:
         train(load_recipe("ci-tiny", QUIET + overrides), tmp_path)
     assert words in str(refused.value) and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_aux_layers_set_to_the_default_are_left_implicit():
+    """The exported config names aux layers only where they differ from [2, L//2, L-3]: engines disagree on what an
+    explicit list means, and all agree on the default."""
+    target = architecture_config("tiny")
+    default = list(target.default_aux_layers)
+    assert trainer.head_config(load_recipe("ci-tiny", [f"model.aux_layers={default}"]).model, target).aux_layers is None
+    other = load_recipe("ci-tiny", ["model.aux_layers=[1, 2, 3]"]).model
+    assert trainer.head_config(other, target).aux_layers == (1, 2, 3)
 
 
 def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
