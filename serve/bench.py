@@ -52,6 +52,8 @@ from .commands import (
     add_sampling_arguments,
     engine_options,
     load_models_for,
+    require_output_dirs,
+    require_positive,
     sampling_params,
     tree_setting,
 )
@@ -349,15 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--output-len must be at least 2, got {args.output_len}")
     if None in args.trees:
         parser.error("--trees: off is always measured (each batch size's first row); list trees only")
-    for flag, values in (("--input-len", [args.input_len]), ("--num-prompts", [args.num_prompts]),
-                         ("--batch-sizes", args.batch_sizes), ("--repeats", [args.repeats])):
-        if min(values) < 1:
-            parser.error(f"{flag} must be at least 1, got {min(values)}")
-    for flag, path in (("--json", args.json), ("--autotune", args.autotune)):
-        if path is not None and not path.parent.is_dir():  # found out now, not after the whole sweep
-            parser.error(f"{flag} {path}: no directory {path.parent}")
-    if args.draft_vocab is not None and args.draft_vocab < 1:
-        parser.error(f"--draft-vocab must be at least 1, got {args.draft_vocab}")
+    require_positive(parser, args, "input_len", "num_prompts", "batch_sizes", "repeats", "draft_vocab")
+    require_output_dirs(parser, args, "json", "autotune")
     params = sampling_params(parser, args)
     if args.compare_hf and not params.greedy:
         parser.error("--compare-hf times Hugging Face's greedy generate: leave --temperature at 0")

@@ -15,7 +15,7 @@ import torch
 from eyas.common.assets import DEFAULT_TARGET
 from eyas.data.tokenizer import render_chat, stop_token_ids
 
-from .commands import load_models_for
+from .commands import load_models_for, require_positive
 from .generate import greedy_tokens
 from .text import TextStream
 
@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if args.max_new_tokens <= 0:
-        parser.error("--max-new-tokens must be positive")
+    require_positive(parser, args, "max_new_tokens")
 
     started = time.perf_counter()
     model, _, tokenizer, path = load_models_for(parser, args.target, device=args.device)

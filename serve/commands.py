@@ -77,6 +77,24 @@ def refuse_unread(parser: argparse.ArgumentParser, given: set[str], unread: tupl
         parser.error(f"{why}: {flags} would be ignored")
 
 
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *dests: str) -> None:
+    """A usage error naming the first flag of `dests` (destinations) whose value, or a list's least value, is below 1;
+    a flag not given (None) passes."""
+    for dest in dests:
+        value = getattr(args, dest)
+        least = min(value) if isinstance(value, list) else value
+        if least is not None and least < 1:
+            parser.error(f"--{dest.replace('_', '-')} must be at least 1, got {least}")
+
+
+def require_output_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace, *dests: str) -> None:
+    """A usage error for a file flag of `dests` (given) whose folder does not exist: found out before the work whose
+    results it would hold, not after it."""
+    for dest in dests:
+        if (path := getattr(args, dest)) is not None and not Path(path).parent.is_dir():
+            parser.error(f"--{dest.replace('_', '-')} {path}: no directory {Path(path).parent}")
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser, default: TreeShape) -> None:
     """--num-steps, --topk and --num-draft-tokens, defaulting to `default`; read them with `tree_shape`."""
     parser.add_argument("--num-steps", type=int, default=default.num_steps, help="draft tree depth")

@@ -50,6 +50,7 @@ from .commands import (
     given_flags,
     load_models_for,
     refuse_unread,
+    require_positive,
     sampling_params,
     tree_shape,
 )
@@ -263,9 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                       "--endpoint measures a running server, whose settings are its own")
     else:
         refuse_unread(parser, given, ("endpoint_off", "model"), "in-process, both engines are built here")
-    for flag in ("concurrency", "max_new_tokens", "limit"):
-        if (value := getattr(args, flag)) is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    require_positive(parser, args, "concurrency", "max_new_tokens", "limit")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
     params = sampling_params(parser, args)
 

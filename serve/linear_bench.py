@@ -40,6 +40,7 @@ from triton.runtime.errors import OutOfResources
 from eyas.common.architectures import ARCHITECTURES, architecture_config
 
 from . import hopper_compile, kernels
+from .commands import require_output_dirs
 from .cuda_graphs import replay_ms
 from .fp8 import E4M3, Fp8Weight, quantize
 
@@ -152,8 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if bad := [r for r in args.rows if not 2 <= r <= kernels.ROWS_MAX]:
         parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
-    if args.json and not args.json.parent.is_dir():  # found out now, not after the sweep
-        parser.error(f"--json {args.json}: no directory {args.json.parent}")
+    require_output_dirs(parser, args, "json")
     launches = [kernels.RowsLaunch(*c) for c in itertools.product(args.block_n, args.block_k, args.stages,
                                                                     args.warps, args.splits)]
     shapes = weight_shapes(args.arch)

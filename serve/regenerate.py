@@ -41,6 +41,8 @@ from .commands import (
     given_flags,
     load_models_for,
     refuse_unread,
+    require_output_dirs,
+    require_positive,
     sampling_params,
 )
 from .engine import Engine, EngineConfig
@@ -198,11 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                                       "device"), "--endpoint answers with a running server, whose settings are its own")
     else:
         refuse_unread(parser, given, ("model",), "--target answers in-process")
-    for flag in ("batch_size", "max_new_tokens", "max_prompt_tokens", "limit"):
-        if (value := getattr(args, flag)) is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    if not args.output.parent.is_dir():
-        parser.error(f"--output {args.output}: no directory {args.output.parent}")
+    require_positive(parser, args, "batch_size", "max_new_tokens", "max_prompt_tokens", "limit")
+    require_output_dirs(parser, args, "output")
     data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
     try:  # a damaged line of an earlier run's output, found before the target loads
         written_indices(args.output), written_indices(dropped_file(args.output))

@@ -92,10 +92,11 @@ def test_restrict_logits_is_a_gather(freq_order):
         hv.restrict_logits(logits[..., :-1])
 
 
-def test_to_device(freq_order):
-    moved = freq_order.to("cpu")
-    assert moved is not freq_order and torch.equal(moved.hot_ids, freq_order.hot_ids)
-    assert moved.vocab_size == V and moved.hot_ids.device.type == "cpu"
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_to_device(freq_order, device):
+    moved = freq_order.to(device)
+    assert moved is not freq_order and torch.equal(moved.hot_ids.cpu(), freq_order.hot_ids)
+    assert moved.vocab_size == V and moved.hot_ids.device.type == moved.t2d.device.type == device
 
 
 ERRORS = {

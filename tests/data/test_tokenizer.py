@@ -54,18 +54,18 @@ LOOP = "{% for m in messages %}<turn>{{ m['role'] }}: {{ m['content'] }}"
 
 
 @pytest.mark.parametrize(
-    "template, end_of_turn, eos_after_align",
+    "template, end_of_turn, stops, eos_after_align",
     [
-        (LOOP + " <end>\n{% endfor %}", "<end>", "<end>"),  # eos unused by the template: replaced
-        (LOOP + "</s>{% endfor %}", "</s>", "</s>"),  # eos closes turns
-        (LOOP + "<end>{% endfor %}</s>", "<end>", "</s>"),  # eos ends the conversation: kept
-        (LOOP + "\n\n{% endfor %}", None, "</s>"),  # turns end with plain text
+        (LOOP + " <end>\n{% endfor %}", "<end>", ["</s>", "<end>"], "<end>"),  # eos unused by the template: replaced
+        (LOOP + "</s>{% endfor %}", "</s>", ["</s>"], "</s>"),  # eos closes turns: one stop
+        (LOOP + "<end>{% endfor %}</s>", "<end>", ["</s>", "<end>"], "</s>"),  # eos ends the conversation: kept
+        (LOOP + "\n\n{% endfor %}", None, ["</s>"], "</s>"),  # turns end with plain text
     ],
 )
-def test_end_of_turn_detection(template, end_of_turn, eos_after_align):
+def test_end_of_turn_detection(template, end_of_turn, stops, eos_after_align):
     tok = tiny_tokenizer(template)
     expected = None if end_of_turn is None else tok.convert_tokens_to_ids(end_of_turn)
     assert end_of_turn_id(tok) == expected
-    assert stop_token_ids(tok) == list(dict.fromkeys(i for i in (tok.eos_token_id, expected) if i is not None))
+    assert tok.convert_ids_to_tokens(stop_token_ids(tok)) == stops
     align_eos(tok)
     assert tok.eos_token == eos_after_align

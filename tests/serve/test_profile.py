@@ -94,9 +94,10 @@ def test_sizes_it_cannot_profile_are_usage_errors(args, words, capsys):
 
 
 def test_idle_needs_cuda(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         profile.main(["--arch", "tiny", "--idle", "--device", "cpu"])
-    assert "--idle" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "--idle measures the GPU's idle time: it needs a CUDA device, not 'cpu'" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.gpu
