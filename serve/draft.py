@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eyas.common.attention import causal_mask
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.target import TargetModel, TargetOutput
 
@@ -83,26 +82,22 @@ class Drafter:
         self.draft_embeddings = embeddings if identity else embeddings[hot_ids]
 
     def extend(self, target_out: TargetOutput, next_tokens: Tensor, start: Tensor, last: Tensor, table: Tensor,
-               rope: tuple[Tensor, Tensor] | None = None, new_slots: Tensor | None = None,
-               mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               rope: tuple[Tensor, Tensor], new_slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Feeds the draft the target's states at positions start .. start+T-1 of each request; a pure tensor
         function (no host reads), so decode steps capture it with the rest of their accept phase.
 
         target_out: hidden / aux [B, T, ·] at those positions (columns past `last` are padding, their KV lands in
         the request's reserved positions); next_tokens [B, T]: the token at position p + 1 for each p; start [B];
-        last [B] each request's last extended index (its length - 1); table [B, M] the requests' blocks. Where the
-        caller has them: rope, the head's rotary tables (cos, sin) [B, T, D] of those positions, their cache slots
-        new_slots [B, T], and the causal mask [T, T]. Returns the draft's output hidden [B, H] and logits [B, Vd] at
-        each request's last extended position (`draft_states` makes them per-request states).
+        last [B] each request's last extended index (its length - 1); table [B, M] the requests' blocks; rope, the
+        head's rotary tables (cos, sin) [B, T, D] of those positions; new_slots [B, T] their cache slots; mask [T, T]
+        causal. Returns the draft's output hidden [B, H] and logits [B, Vd] at each request's last extended position
+        (`draft_states` makes them per-request states).
         """
         B, T = next_tokens.shape
-        device = next_tokens.device
-        positions = rope if rope is not None else start[:, None] + torch.arange(T, device=device)
-        mask = causal_mask(T, device) if mask is None else mask
         attn = self.attention(self.pool, table, start, mask.expand(B, T, T), new_slots=new_slots)
         embeds = self.target.embed_tokens(next_tokens)
         features = self.head.project_target(target_out)
-        out = self.head.step(embeds, features, positions, attn)  # [B, T, H]
+        out = self.head.step(embeds, features, rope, attn)  # [B, T, H]
         hidden = out.gather(1, last[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # [B, H]
         return hidden, self.head.logits(hidden)  # [B, H], [B, Vd]
 

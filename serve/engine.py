@@ -30,7 +30,8 @@ elementwise work and one-token projections, the draft's top-k, the draft tree's 
 kernels (`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
 q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`), folds the
 models' norm weights into the projections they feed (their `fold_norms`: what is left of such a norm, 1 / RMS, the
-few-rows kernel applies to its sums, and SiLU·mul after cuBLAS's gate/up, with no launch of its own), and with
+few-rows kernel applies to its sums, and SiLU·mul after cuBLAS's gate/up; a split or float8 few-rows call, and
+cuBLAS's other projections, still launch it as a norm of their inputs), and with
 `draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read (`fp8.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
@@ -86,7 +87,7 @@ class EngineConfig:
     max_batch_size: int = 64
     max_prefill_tokens: int = 2048  # chunk size of prefills
     profile: bool = False  # time each phase (synchronising the device): `Engine.timings`
-    attention: str = "auto"  # attention backend: auto, torch or triton (serve/attention)
+    attention: str = "auto"  # attention backend: auto, torch, triton or flashinfer (serve/attention)
     cuda_graphs: bool = True  # replay decode-step passes as CUDA graphs (CUDA, with a graph-safe backend)
     # Queue a decode step before the last one's tokens reach the host (`Engine.step`): the host's work between
     # steps then runs while the device computes. Off while profiling.
@@ -386,20 +387,25 @@ class Engine:
         once padded to the longest chunk, and with graphs to its batch and length buckets, so that the chunk runs as
         a graph (the first one always): a small model's eager prefill step costs as much as ten graphed ones
         (docs/perf.md), and of 64 ShareGPT prompts, grouped by their unpadded shape, 4 of 11 steps ran eagerly."""
-        chunk = self.config.max_prefill_tokens
         batch, longest = [], 0
         for r in self.running:
-            n = min(r.prefill_target - r.cached, chunk)
+            n = self._chunk_length(r)
             if n <= 0:
                 continue
-            rows, columns = len(batch) + 1, max(longest, n)
-            if self.graphs.enabled:
-                rows, columns = batch_bucket(rows), length_bucket(columns)
-            if batch and rows * columns > chunk:
+            rows, columns = self._padded(len(batch) + 1, max(longest, n))
+            if batch and rows * columns > self.config.max_prefill_tokens:
                 break
             batch.append(r)
             longest = max(longest, n)
         return batch
+
+    def _chunk_length(self, r: Request) -> int:
+        """The tokens of its prompt a prefill step takes next (0: none left)."""
+        return min(r.prefill_target - r.cached, self.config.max_prefill_tokens)
+
+    def _padded(self, rows: int, columns: int) -> tuple[int, int]:
+        """A prefill pass's shape as it runs: with graphs, padded to its batch and length buckets."""
+        return (batch_bucket(rows), length_bucket(columns)) if self.graphs.enabled else (rows, columns)
 
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self.pool.block_size)
@@ -495,12 +501,11 @@ class Engine:
         context and the padded batch within `max_prefill_tokens`: run eagerly, a small model's prefill takes longer
         to launch from Python than to compute (docs/perf.md)."""
         starts = [r.cached for r in requests]
-        chunk = self.config.max_prefill_tokens
-        ends = [min(r.prefill_target, s + chunk) for r, s in zip(requests, starts, strict=True)]
-        lengths = [e - s for s, e in zip(starts, ends, strict=True)]
-        B, T = len(requests), max(lengths)
-        rows, columns = batch_bucket(B), length_bucket(T)
-        graphed = self.graphs.enabled and rows * columns <= chunk and max(starts) + columns <= self.context_limit
+        ends = [r.cached + self._chunk_length(r) for r in requests]
+        B, T = len(requests), max(e - s for s, e in zip(starts, ends, strict=True))
+        rows, columns = self._padded(B, T)
+        graphed = (self.graphs.enabled and rows * columns <= self.config.max_prefill_tokens
+                   and max(starts) + columns <= self.context_limit)
         pad, T = (rows - B, columns) if graphed else (0, T)
         # The prompts this chunk finishes: their first token comes from the last position.
         first = [b for b, r in enumerate(requests) if ends[b] == r.prefill_target and not r.output]

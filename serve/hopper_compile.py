@@ -2,13 +2,13 @@
 
 `build_ir` runs the compiler's front end, whose checks the CPU interpreter does not make (a loop that re-binds a name
 to a block of another shape runs under the interpreter and compiles nowhere). `resources` compiles all the way to a
-cubin and reads what a thread of the kernel takes: registers, and stack for the values that did not fit in them
-(`compile_launch` gives the whole compiled kernel). All take a `Launch`: `launch_spec` makes one from a kernel
-launch's arguments, specialized as the GPU's launcher specializes them, and `recorded_launches` records those that
-Python code makes, on meta tensors, instead of running them.
+cubin and reads what the kernel takes: a thread's registers, and stack for the values that did not fit in them, and a
+program's shared memory (`compile_launch` gives the whole compiled kernel). All take a `Launch`: `launch_spec` makes
+one from a kernel launch's arguments, specialized as the GPU's launcher specializes them, and `recorded_launches`
+records those that Python code makes, on meta tensors, instead of running them.
 
     launches = recorded_launches(lambda: kernels.fused_linear(x, weight, ...))   # x, weight on the meta device
-    [resources(launch) for launch in launches]                                  # [Resources(registers, stack)]
+    [resources(launch) for launch in launches]                  # [Resources(registers, stack, shared)]
 """
 
 import importlib
@@ -32,16 +32,12 @@ class Launch(NamedTuple):
 
 
 def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
-    """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, with
-    programmatic dependent launch on where the kernel takes it (PDL: its launch's mode, EARLY as served on Hopper
-    where it was launched without, as off a Hopper GPU; `kernels.launch_options`), and specialized as
+    """The `Launch` of kernel `fn` (the Python function under the triton.jit) on `args` and `kwargs`, specialized as
     Triton's launcher specializes it: an integer 1 becomes a constant, and pointers aligned to 16 bytes and integers
     divisible by 16 are marked so, which is what lets the compiler vectorize a load and pipeline it through shared
     memory (without the marks the compiled kernel is another one: no copies in flight, other registers). A meta
     tensor's pointer counts as aligned, as a fresh allocation on a GPU is."""
     from triton.runtime.jit import mangle_type  # the launcher's own typing: "*bf16", "i32", "fp32", "constexpr"
-
-    from .kernels import EARLY
 
     bound = dict(zip(arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in arg_names}
     constexpr = {name for name, p in fn.__annotations__.items() if "constexpr" in str(p)}
@@ -50,7 +46,7 @@ def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
         value = bound[name]
         if name in constexpr:
             signature.append((name, "constexpr"))
-            constexprs.append((name, (value or EARLY.value) if name == "PDL" else value))
+            constexprs.append((name, value))
         elif isinstance(value, int) and not isinstance(value, bool) and value == 1:
             signature.append((name, "constexpr"))
             constexprs.append((name, 1))
@@ -65,12 +61,15 @@ def launch_spec(fn, arg_names: list[str], args: tuple, kwargs: dict) -> Launch:
 
 def recorded_launches(call: Callable[[], object], module=None) -> set[Launch]:
     """The kernel launches `call()` makes of the triton.jit kernels of `module` (default `eyas.serve.kernels`),
-    recorded instead of run; so `call` may pass meta tensors. The kernels are back in place on return (they call each
-    other by name, so they compile only then)."""
+    recorded instead of run; so `call` may pass meta tensors. Their launch options are a Hopper GPU's, whatever this
+    machine is: programmatic dependent launch in the mode each launch takes there (`kernels.launch_options`). The
+    kernels are back in place on return (they call each other by name, so they compile only then)."""
     from triton.runtime.jit import JITFunction
 
+    from . import kernels
+
     if module is None:
-        from . import kernels as module
+        module = kernels
     launches = set()
 
     class Recorder:
@@ -82,11 +81,14 @@ def recorded_launches(call: Callable[[], object], module=None) -> set[Launch]:
                 launch_spec(self.kernel.fn, self.kernel.arg_names, args, kwargs))
 
     originals = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
+    launches_dependents = kernels._launches_dependents
     try:
+        kernels._launches_dependents = lambda device: True
         for name, kernel in originals.items():
             setattr(module, name, Recorder(kernel))
         call()
     finally:
+        kernels._launches_dependents = launches_dependents
         for name, kernel in originals.items():
             setattr(module, name, kernel)
     return launches

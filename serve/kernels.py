@@ -1,8 +1,9 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
 (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
 SiLU·mul, a one-token linear layer with the RMSNorm before it and SiLU·mul and the residual stream's add after it
-fused in, a few-rows matmul for small weights with SiLU·mul and the add in its epilogue and K split over programs
-where its output columns are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made
+fused in, a few-rows matmul (verification's and a draft pass's rows: small weights, and large ones in long calls)
+with a folded norm, SiLU·mul and the add in its epilogue and K split over programs where its output columns are few
+(`rows_matmul`), both reading a draft head's float8 copies where the engine made
 them (`--draft-fp8`, `fp8.py`); and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping
 (each pass's next frontier and its inputs, the final tree), verification's walks down the tree, greedy and
 sampled, and for the sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a row over many
@@ -15,7 +16,8 @@ rsqrt, mul, cast, mul by the weight), which is what a batch-1 decode step spends
 reproduces the torch reference in `eyas.common.layers` rounding for rounding: arithmetic runs in fp32 (as
 torch's CUDA kernels compute half types in fp32), and every intermediate the reference materialises in a half
 dtype is rounded to that dtype here too. Results equal the reference up to fp32 reduction order and the fast
-rsqrt/exp; one exception, the one-token linear folds its RMSNorm out of the sum (see `_fused_linear_kernel`).
+rsqrt/exp; one exception: where a norm is folded into a linear layer's weight (the one-token linear, the few-rows
+kernel's `NORM`, SiLU·mul's `rms_of`), its 1 / RMS scales the product instead of x (see `_fused_linear_kernel`).
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
@@ -383,7 +385,8 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 ROWS_MAX = 64  # more rows: cuBLAS
 ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies of large weights, and makes long calls
-ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weight of an 8B head, none of SmolLM2's
+ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weight of an 8B head; of SmolLM2's, its
+# lm_head alone (K = 576: never a long call)
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
 # long calls, a joint gate/up weight counting as one of its halves (an 8B target's q/k/v, gate/up and down at
 # verification: the folded norm, SiLU·mul and the residual add in the call, no split-K reduce; the 8B (5, 4, 8) step
@@ -543,7 +546,8 @@ def reads_fp8_rows(M: int, N: int, K: int) -> bool:
     return _few_rows_of_large_weight(M, N * K)
 
 
-SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles `rows_splits` splits
+SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles any split launch may have (linear_bench's
+# grid; the served splits reach FP8_SPLIT_MAX_TILES at most)
 FP8_SPLIT_MAX_TILES = 128  # the most tiles whose K `rows_splits` splits where they read float8 copies
 
 

@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from eyas.serve.hopper_compile import build_ir, launch_spec
+from eyas.serve.kernels import EARLY
 
 _LAUNCHES = []  # in the worker: the launches (`hopper_compile.launch_spec`) of the function running
 
@@ -52,7 +53,10 @@ def _record_launches():
     run = InterpretedFunction.run
 
     def recorded(self, *args, grid, warmup, **kwargs):
-        _LAUNCHES.append(launch_spec(self.fn, self.arg_names, args, kwargs))
+        # Built as the served kernel under programmatic dependent launch (the interpreter runs it without), so that
+        # the front end checks its waits too.
+        served = {**kwargs, "PDL": kwargs["PDL"] or EARLY.value} if "PDL" in kwargs else kwargs
+        _LAUNCHES.append(launch_spec(self.fn, self.arg_names, args, served))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recorded

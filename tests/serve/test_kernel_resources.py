@@ -69,20 +69,28 @@ def test_launches_compile_as_the_gpu_launcher_specializes_them():
     assert dict(one_row.constexprs)["M"] == 1
 
 
-def test_kernels_released_late_let_the_next_launch_only_at_their_end(monkeypatch):
-    """Under PDL a kernel waits for the one before (griddepcontrol.wait) either way; launched as served it then lets
-    the next kernel launch (griddepcontrol.launch_dependents), and within `releasing_late` it does not, so the next
-    launches as its programs end (`kernels.releasing_late`). The long call (an 8B target's down at 8 rows) is
-    compiled both ways, as the GPU's launcher takes each."""
-    monkeypatch.setattr(kernels, "_launches_dependents", lambda device: True)
-    x, weight, _ = meta_operands(4096, 14336, 8, False)
-    (early,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+def test_kernels_released_late_let_the_next_launch_only_at_their_end():
+    """Compiled as a Hopper GPU's launcher takes each (`recorded_launches`): under PDL a kernel waits for the one
+    before (griddepcontrol.wait); launched as served it then lets the next kernel launch
+    (griddepcontrol.launch_dependents), and within `releasing_late` it does not, so the next launches as its programs
+    end. A long call (an 8B target's down at 8 rows) launches without PDL as served, and under it, late, within
+    `releasing_late`."""
+    short_x, short_weight, _ = meta_operands(1536, 576, 8, False)  # a SmolLM2 layer's gate
+    long_x, long_weight, _ = meta_operands(4096, 14336, 8, False)
+
+    def ptx(x, weight):
+        (launch,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+        return dict(launch.constexprs)["PDL"], hopper_compile.compile_launch(launch).asm["ptx"]
+
+    served = {"short": ptx(short_x, short_weight), "long": ptx(long_x, long_weight)}
     with kernels.releasing_late():
-        (late,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
-    assert dict(early.constexprs)["PDL"] == kernels.EARLY.value and dict(late.constexprs)["PDL"] == kernels.LATE.value
-    early_ptx, late_ptx = (hopper_compile.compile_launch(launch).asm["ptx"] for launch in (early, late))
-    assert "griddepcontrol.wait" in early_ptx and "griddepcontrol.launch_dependents" in early_ptx
-    assert "griddepcontrol.wait" in late_ptx and "griddepcontrol.launch_dependents" not in late_ptx
+        late = {"short": ptx(short_x, short_weight), "long": ptx(long_x, long_weight)}
+    assert served["short"][0] == kernels.EARLY.value and served["long"][0] == 0
+    assert "griddepcontrol.wait" in served["short"][1] and "griddepcontrol.launch_dependents" in served["short"][1]
+    assert "griddepcontrol" not in served["long"][1]
+    for pdl, code in late.values():
+        assert pdl == kernels.LATE.value
+        assert "griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" not in code
 
 
 def test_a_long_call_through_silu_mul_fits_four_programs_an_sm():
