@@ -128,6 +128,11 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+def _row_warps(block: int) -> int:
+    """Warps of a program that norms one row of `block` entries: one per 512 of them, 1 to 16."""
+    return min(max(block // 512, 1), 16)
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm.forward over the last dim, one program per row: x [..., N], weight [N] (None: a unit weight, one
     folded into the next projection) -> norm(x), a new contiguous tensor in the reference's dtype (weight's and
@@ -139,7 +144,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, x if weight is None else weight.contiguous(), out, rows.stride(0), n, eps, HAS_WEIGHT=weight is not None,
-        BLOCK=block, num_warps=min(max(block // 512, 1), 16), **launch_options(x.device),
+        BLOCK=block, num_warps=_row_warps(block), **launch_options(x.device),
     )
     return out
 
@@ -184,7 +189,7 @@ def norm_cat(a: Tensor, b: Tensor, norm_a: tuple[Tensor, float], norm_b: tuple[T
     block = triton.next_power_of_2(n)
     _norm_cat_kernel[(rows_a.shape[0], 2)](rows_a, rows_b, w_a.contiguous(), w_b.contiguous(), out,
                                            rows_a.stride(0), rows_b.stride(0), n, eps_a, eps_b, BLOCK=block,
-                                           num_warps=min(max(block // 512, 1), 16), **launch_options(a.device))
+                                           num_warps=_row_warps(block), **launch_options(a.device))
     return out
 
 
@@ -679,12 +684,18 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n
             acc_up *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)[None, :] * _e4m3_unscale(dtype)
         if HAS_BIAS:
             acc_up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        gate = acc.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = silu * acc_up.to(dtype).to(tl.float32)
+        acc = _silu_mul_rounded(acc, acc_up, dtype)
     if HAS_RESIDUAL:
         acc = acc.to(dtype).to(tl.float32) + res.to(tl.float32)
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@jit
+def _silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in fp32 from a projection's fp32 outputs, rounded as torch rounds them in `dtype`: gate and
+    up (the projection's outputs), and F.silu's."""
+    gate = gate.to(dtype).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
 @jit
@@ -824,9 +835,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr,
             up *= rstd
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)
-        gate = y.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = silu * up.to(dtype).to(tl.float32)
+        y = _silu_mul_rounded(y, up, dtype)
     if HAS_RESIDUAL:
         y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(dtype), mask=n_ok)
