@@ -41,9 +41,17 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def is_eagle3_config(cfg: Mapping[str, Any]) -> bool:
-    """An EAGLE-3 head's config.json: its own architecture name, or SpecForge's Llama one with a draft vocabulary."""
+    """An EAGLE-3 head's config.json: an architecture named for EAGLE-3 (SGLang's and SpecForge's
+    `LlamaForCausalLMEagle3`, `Qwen2ForCausalLMEagle3`; vLLM's `Eagle3LlamaForCausalLM`: one layout), or the original
+    heads' `LlamaForCausalLM` with a draft vocabulary."""
     arch = (cfg.get("architectures") or [None])[0]
-    return arch == EAGLE3_ARCHITECTURE or (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg)
+    named = isinstance(arch, str) and (arch.startswith("Eagle3") or arch.endswith("Eagle3"))
+    return named or (arch == "LlamaForCausalLM" and "draft_vocab_size" in cfg)
+
+
+# EAGLE-3 variants whose layer computes otherwise (vLLM's EAGLE-3.1 normed output, a norm before fc): flags with no
+# tensor of their own, so a head that sets one would load and draft wrongly.
+UNSUPPORTED_FLAGS = ("norm_output", "norm_before_fc", "fc_norm")
 
 
 @dataclass(frozen=True)
@@ -107,21 +115,25 @@ class Eagle3Config:
             )
         if cfg.get("num_hidden_layers", 1) != 1:
             raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an EAGLE-3 head")
+        if unsupported := [flag for flag in UNSUPPORTED_FLAGS if cfg.get(flag)]:
+            raise ConfigError(f"{source}: field '{unsupported[0]}' is set: an EAGLE-3 variant eyas does not serve")
         values = read_layer_fields(cfg, source)
         if "norm_before_residual" in cfg:
             values["norm_before_residual"] = cfg["norm_before_residual"]
         values["draft_vocab_size"] = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
         values["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
-        # Engines disagree on what an explicit layer id means. SGLang reads the nested
-        # `eagle_config.eagle_aux_hidden_state_layer_ids` as layers whose *output* is captured (it taps
-        # the stream entering id + 1); vLLM/speculators read a top-level list as the layers the stream
-        # *enters*. We store the latter. Both engines' defaults are the same streams: [2, L//2, L-3].
+        # Engines disagree on what an explicit layer id means; we store the layers the streams *enter*, as vLLM and
+        # speculators read a top-level list (read first). SGLang reads the nested
+        # `eagle_config.eagle_aux_hidden_state_layer_ids`: since its PR 25454 a list starting at 1 names layers whose
+        # *output* is captured (it taps id + 1), any other the layers entered; before, every list the former. All
+        # engines' defaults are the same streams, [2, L//2, L-3]. The streams are fused in layer order.
         top = cfg.get("eagle_aux_hidden_state_layer_ids")
         nested = mapping_field(cfg, "eagle_config", source).get("eagle_aux_hidden_state_layer_ids")
         if top is not None:
-            values["aux_layers"] = _layer_ids(top, "eagle_aux_hidden_state_layer_ids", source, shift=0)
+            values["aux_layers"] = _layer_ids(top, "eagle_aux_hidden_state_layer_ids", source, output=False)
         elif nested is not None:
-            values["aux_layers"] = _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids", source, shift=1)
+            values["aux_layers"] = _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids", source,
+                                              output=nested[:1] == [1])
         return build_dataclass(cls, values, source=source)
 
     def to_hf(self) -> dict[str, Any]:
@@ -135,15 +147,22 @@ class Eagle3Config:
             cfg["target_hidden_size"] = self.target_hidden_size
         if self.norm_before_residual:
             cfg["norm_before_residual"] = True
-        if self.aux_layers is not None:
-            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]}
+        if self.aux_layers is not None:  # both engines' forms (from_hf): vLLM's top-level, SGLang's nested
+            cfg["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layers)
+            # SGLang shifts a list starting at 1 (every SGLang, so the stream entering layer 2 is named 1) and no other
+            # (since its PR 25454; older ones shift every list, and read one starting past 2 a layer late).
+            first_entered = self.aux_layers[0] == 2
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
+                                   [i - first_entered for i in self.aux_layers]}
         return cfg
 
 
-def _layer_ids(ids: Any, key: str, source: str, shift: int) -> tuple[int, ...]:
+def _layer_ids(ids: Any, key: str, source: str, output: bool) -> tuple[int, ...]:
+    """The layers the listed streams enter, in layer order; `output`: the ids name the layers whose output they
+    are."""
     if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
         raise ConfigError(f"{source}: field '{key}' must be a list of ints, got {ids!r}")
-    return tuple(i + shift for i in ids)
+    return tuple(sorted(i + output for i in ids))
 
 
 class Eagle3Layer(nn.Module):

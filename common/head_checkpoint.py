@@ -22,7 +22,7 @@ import torch
 from .checkpoint import CheckpointError, load_strict, read_weights_dir, save_safetensors
 from .config import ConfigError, read_json
 from .eagle import EAGLE_ARCHITECTURE, EagleConfig, EagleHead
-from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, is_eagle3_config
+from .eagle3 import EAGLE3_ARCHITECTURE, UNSUPPORTED_FLAGS, Eagle3Config, Eagle3Head, is_eagle3_config
 from .hot_vocab import HotVocab
 from .target import TargetModel
 
@@ -49,8 +49,10 @@ def _speculators_layer_config(cfg: dict[str, Any], source: str) -> dict[str, Any
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{source}: field 'transformer_layer_config' must be an object")
-    merged = {**layer, "architectures": [EAGLE3_ARCHITECTURE]}
-    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids"):
+    # vLLM, which serves this layout, takes norm_before_residual as true where the config leaves it out.
+    merged = {**layer, "architectures": [EAGLE3_ARCHITECTURE], "norm_before_residual": True}
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
+                *UNSUPPORTED_FLAGS):
         if cfg.get(key) is not None:
             merged[key] = cfg[key]
     return merged
@@ -129,10 +131,15 @@ def _check_vocab_maps(head: Eagle3Head, source: str) -> None:
 
 
 def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
-    """Writes the EAGLE-3 directory layout: config.json + model.safetensors (no embedding)."""
+    """Writes the EAGLE-3 directory layout: config.json + model.safetensors (no embedding). The config names the
+    weights' dtype: SGLang reads a config without one as float32, and serves that as float16. A head whose residual
+    is normed (`norm_before_residual`, vLLM's variant) goes to `export_speculators`: SGLang ignores the flag."""
+    if head.config.norm_before_residual:
+        raise ValueError("a head with norm_before_residual is served by vLLM alone: write it with export_speculators")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(head.config.to_hf(), indent=2) + "\n")
+    config = head.config.to_hf() | {"torch_dtype": str(head.fc.weight.dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_safetensors(head.state_dict(), path / "model.safetensors")
 
 
@@ -148,7 +155,8 @@ def export_speculators(
     layer = head.config.to_hf()
     extras = {k: layer.pop(k) for k in ("draft_vocab_size", "target_hidden_size") if k in layer}
     layer.pop("architectures")
-    layer.pop("eagle_config", None)
+    for key in ("eagle_config", "eagle_aux_hidden_state_layer_ids"):  # the ids go at the top, as vLLM reads them
+        layer.pop(key, None)
     aux = head.config.aux_layers
     config = {
         "architectures": ["Eagle3Speculator"],

@@ -221,6 +221,10 @@ class Engine:
         self.graphs = GraphCache(self.device, self.config.cuda_graphs and self.attention.graph_safe)
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
+        if head is not None and head.config.hidden_size != tcfg.hidden_size:  # else a shape error at the first draft
+            raise ValueError(f"the head's hidden size {head.config.hidden_size} is not the target's "
+                             f"{tcfg.hidden_size}: the draft embeds its tokens with the target's embedding (a head "
+                             "that carries its own is not served)")
         for shape in self.trees:  # refused here, not at a request's first step
             if shape.topk > head.draft_vocab_size:
                 raise ValueError(f"tree {format_setting(shape)}: topk {shape.topk} is more than the head's draft "

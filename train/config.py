@@ -63,8 +63,10 @@ class ModelConfig:
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        if self.aux_layers is not None and (len(self.aux_layers) != 3 or min(self.aux_layers) < 0):
-            raise ValueError(f"aux_layers must name 3 target layers (ids >= 0), got {self.aux_layers}")
+        if self.aux_layers is not None and (len(self.aux_layers) != 3 or min(self.aux_layers) < 0
+                                            or sorted(self.aux_layers) != self.aux_layers):
+            raise ValueError(f"aux_layers must name 3 target layers (ids >= 0) in ascending order, the order every "
+                             f"engine fuses their streams in; got {self.aux_layers}")
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,57 @@ def test_sglang_layer_ids_are_layer_outputs(tmp_path):
     assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 15, 28]
 
 
+@pytest.mark.parametrize("nested, aux", [
+    ([1, 15, 28], (2, 16, 29)),  # from 1: layer outputs (every SGLang)
+    ([2, 30, 58], (2, 30, 58)),  # from past 1: the layers the streams enter (SGLang since its PR 25454)
+    ([28, 1, 15], (1, 15, 28)),  # out of order: its first id decides, as in SGLang; fused in layer order
+])
+def test_sglang_layer_ids_read_by_sglang_s_rule(tmp_path, nested, aux):
+    write_public_eagle3(tmp_path / "head", eagle_config={"eagle_aux_hidden_state_layer_ids": nested})
+    assert load_draft_head(tmp_path / "head").config.aux_layers == aux
+
+
+@pytest.mark.parametrize("aux, nested", [((2, 16, 29), [1, 15, 28]), ((3, 8, 13), [3, 8, 13])])
+def test_exported_layer_ids_read_alike_in_both_engines(tmp_path, aux, nested):
+    """vLLM reads the top-level list (the layers the streams enter); SGLang the nested one, shifting a list that
+    starts at 1 and no other: either gives the head's streams."""
+    write_public_eagle3(tmp_path / "head", eagle_aux_hidden_state_layer_ids=list(aux))
+    head = load_draft_head(tmp_path / "head")
+    save_eagle3(head, tmp_path / "out")
+    written = json.loads((tmp_path / "out/config.json").read_text())
+    assert written["eagle_aux_hidden_state_layer_ids"] == list(aux)
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == nested
+    assert tuple(i + (nested[0] == 1) for i in nested) == aux  # SGLang's rule applied to what it reads
+    del written["eagle_aux_hidden_state_layer_ids"]  # as SGLang sees it: the nested list alone
+    (tmp_path / "out/config.json").write_text(json.dumps(written))
+    assert load_draft_head(tmp_path / "out").config.aux_layers == aux
+
+
+@pytest.mark.parametrize("architecture", ["Eagle3LlamaForCausalLM", "Qwen2ForCausalLMEagle3"])
+def test_other_names_of_the_eagle3_layout_load(tmp_path, architecture):
+    """vLLM's class name (AngelSlim's heads) and SpecForge's Qwen2 one: the same layout."""
+    write_public_eagle3(tmp_path / "head", architecture=architecture)
+    assert isinstance(load_draft_head(tmp_path / "head"), Eagle3Head)
+
+
+@pytest.mark.parametrize("flag", ["norm_output", "norm_before_fc", "fc_norm"])
+def test_eagle3_variants_eyas_does_not_compute_are_refused(tmp_path, flag):
+    """Flags of variants whose layer computes otherwise and that add no tensor: such a head loaded silently."""
+    write_public_eagle3(tmp_path / "head", **{flag: True})
+    with pytest.raises(ConfigError, match=f"field '{flag}' is set: an EAGLE-3 variant eyas does not serve"):
+        load_draft_head(tmp_path / "head")
+
+
+def test_save_eagle3_names_the_dtype_and_refuses_vllm_s_variant(tmp_path):
+    """SGLang reads a config without a dtype as float32 (served as float16); it ignores norm_before_residual."""
+    write_public_eagle3(tmp_path / "head")
+    save_eagle3(load_draft_head(tmp_path / "head", dtype=torch.bfloat16), tmp_path / "out")
+    assert json.loads((tmp_path / "out/config.json").read_text())["torch_dtype"] == "bfloat16"
+    write_public_eagle3(tmp_path / "normed", norm_before_residual=True)
+    with pytest.raises(ValueError, match="norm_before_residual is served by vLLM alone: write it with export_spec"):
+        save_eagle3(load_draft_head(tmp_path / "normed"), tmp_path / "out2")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_then_load_is_bit_identical(tmp_path, dtype):
     write_public_eagle3(tmp_path / "head")
@@ -168,6 +219,7 @@ def test_speculators_export_round_trip(tmp_path):
     cfg = json.loads((tmp_path / "spec/config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is False
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg["transformer_layer_config"]
     assert cfg["transformer_layer_config"]["vocab_size"] == V and cfg["draft_vocab_size"] == DV
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/target"
     keys = set(load_file(str(tmp_path / "spec/model.safetensors")))
@@ -176,6 +228,9 @@ def test_speculators_export_round_trip(tmp_path):
     assert again.config == head.config
     for k, v in head.state_dict().items():
         assert torch.equal(v, again.state_dict()[k]), k
+    del cfg["norm_before_residual"]  # vLLM, which serves this layout, takes it as true where left out
+    (tmp_path / "spec/config.json").write_text(json.dumps(cfg))
+    assert load_draft_head(tmp_path / "spec").config.norm_before_residual is True
 
 
 @pytest.mark.parametrize(

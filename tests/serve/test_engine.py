@@ -850,3 +850,14 @@ def test_eagle1_head_with_token_map_equals_target_greedy(target, tmp_path):
     assert all(len(r.accepted) > 0 for r in requests)
     with pytest.raises(ValueError, match="topk 101 is more than the head's draft vocabulary of 100 tokens"):
         Engine(target, head, EngineConfig(tree=TreeShape(2, 101, 8), block_size=4, num_blocks=256))
+
+
+def test_a_head_narrower_than_the_target_is_refused(target):
+    """A head of hidden size H != the target's embeds its tokens with its own table, which the engine does not serve:
+    refused when the engine is built, not with a shape error at the first draft."""
+    cfg = Eagle3Config.for_target(target.config, 64)
+    head = Eagle3Head(dataclasses.replace(cfg, hidden_size=cfg.hidden_size // 2, intermediate_size=16,
+                                          num_attention_heads=2, num_key_value_heads=1)).eval()
+    head.set_hot_vocab(HotVocab.from_counts(torch.rand(target.config.vocab_size), 64))
+    with pytest.raises(ValueError, match=f"the head's hidden size {cfg.hidden_size // 2} is not the target's "):
+        Engine(target, head, EngineConfig(tree=TreeShape(2, 1, 3), block_size=4, num_blocks=64))

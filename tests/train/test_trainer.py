@@ -180,8 +180,8 @@ def test_a_checkpoint_resumes_only_where_its_position_means_the_same_rows(full_r
 def test_aux_layers_set_to_the_default_are_left_implicit():
     """The exported config names aux layers only where they differ from [2, L//2, L-3]: engines disagree on what an
     explicit list means, and all agree on the default."""
-    target = architecture_config("tiny")
-    default = list(target.default_aux_layers)
+    target = architecture_config("smollm2-135m")
+    default = list(target.default_aux_layers)  # [2, 15, 27]
     assert trainer.head_config(load_recipe("ci-tiny", [f"model.aux_layers={default}"]).model, target).aux_layers is None
     other = load_recipe("ci-tiny", ["model.aux_layers=[1, 2, 3]"]).model
     assert trainer.head_config(other, target).aux_layers == (1, 2, 3)
