@@ -128,7 +128,7 @@ def _assemble(asset: Asset, installed: list[Path | None], target: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():  # another process assembled it while this one waited
             return
-        for stale in target.parent.glob(".partial-*"):  # left by a process killed mid-download: the lock was its
+        for stale in target.parent.glob(".partial-*"):  # a killed download's: with the lock here, nobody writes there
             shutil.rmtree(stale, ignore_errors=True)
         missing = [req for req, path in zip(asset.requirements, installed, strict=True) if path is None]
         if missing:

@@ -130,10 +130,11 @@ class Eagle3Config:
         top = cfg.get("eagle_aux_hidden_state_layer_ids")
         nested = mapping_field(cfg, "eagle_config", source).get("eagle_aux_hidden_state_layer_ids")
         if top is not None:
-            values["aux_layers"] = _layer_ids(top, "eagle_aux_hidden_state_layer_ids", source, output=False)
+            values["aux_layers"] = tuple(sorted(_layer_ids(top, "eagle_aux_hidden_state_layer_ids", source)))
         elif nested is not None:
-            values["aux_layers"] = _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids", source,
-                                              output=nested[:1] == [1])
+            ids = _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids", source)
+            outputs = ids[:1] == [1]  # the ids name the layers whose output the streams are
+            values["aux_layers"] = tuple(sorted(i + outputs for i in ids))
         return build_dataclass(cls, values, source=source)
 
     def to_hf(self) -> dict[str, Any]:
@@ -148,6 +149,9 @@ class Eagle3Config:
         if self.norm_before_residual:
             cfg["norm_before_residual"] = True
         if self.aux_layers is not None:  # both engines' forms (from_hf): vLLM's top-level, SGLang's nested
+            if self.aux_layers[0] == 1:
+                raise ValueError(f"aux layers {self.aux_layers}: SGLang's config cannot name the stream entering layer "
+                                 "1 (a list starting at 1 names layer outputs)")
             cfg["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layers)
             # SGLang shifts a list starting at 1 (every SGLang, so the stream entering layer 2 is named 1) and no other
             # (since its PR 25454; older ones shift every list, and read one starting past 2 a layer late).
@@ -157,12 +161,10 @@ class Eagle3Config:
         return cfg
 
 
-def _layer_ids(ids: Any, key: str, source: str, output: bool) -> tuple[int, ...]:
-    """The layers the listed streams enter, in layer order; `output`: the ids name the layers whose output they
-    are."""
+def _layer_ids(ids: Any, key: str, source: str) -> list[int]:
     if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
         raise ConfigError(f"{source}: field '{key}' must be a list of ints, got {ids!r}")
-    return tuple(sorted(i + output for i in ids))
+    return ids
 
 
 class Eagle3Layer(nn.Module):

@@ -17,6 +17,7 @@ JSON) is skipped and counted with its file and place ("line 3" in JSONL, "record
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import logging
@@ -104,8 +105,9 @@ def read_placed_conversations(
     try:
         text = data.decode("utf-8-sig", errors="ignore" if max_bytes is not None else "strict")
     except UnicodeDecodeError as e:  # its message names neither the file nor the line
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ConversationError(f"{path}: line {line} (byte {e.start}): not UTF-8 ({e.reason}); convert the file, "
+        at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)  # counted past a BOM
+        line = data.count(b"\n", 0, at) + 1
+        raise ConversationError(f"{path}: line {line} (byte {at}): not UTF-8 ({e.reason}); convert the file, "
                                 "e.g. `iconv -f latin1 -t utf-8`") from None
 
     def bad(place: str, reason: str) -> None:

@@ -161,13 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
                                                     args.token_map, args.device, DTYPES.get(args.dtype))
-    except FileNotFoundError as e:  # a missing target, head or token map, named
-        raise SystemExit(f"serve-eagle: error: {e}") from None
-    config = dataclasses.replace(args.engine, speculative=head is not None)
-    try:
+        config = dataclasses.replace(args.engine, speculative=head is not None)
         engine = Engine(target, head, config)
-    except ValueError as e:  # a tree this head or context cannot hold
-        raise SystemExit(f"serve-eagle: error: {e}") from None
+    except (FileNotFoundError, ValueError) as e:  # a missing model, or a tree this head or context cannot hold
+        print(f"serve-eagle: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()
         engine.warm_up(progress=True)

@@ -207,16 +207,19 @@ def main(argv: list[str] | None = None) -> None:
         written_indices(args.output), written_indices(dropped_file(args.output))
     except ValueError as e:
         parser.error(f"--output: {e}")
-    try:
-        if args.endpoint:
+    if args.endpoint:
+        try:
             client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
-        else:
-            target, _, tokenizer, _ = load_models_for(parser, args.target, device=args.device)
-            config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
-            client = EngineClient(Engine(target, None, config), tokenizer, params, args.max_new_tokens,
-                                  args.max_prompt_tokens)
+        except EndpointError as e:  # unreachable: nothing has run
+            parser.error(str(e))
+    else:
+        target, _, tokenizer, _ = load_models_for(parser, args.target, device=args.device)
+        config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
+        client = EngineClient(Engine(target, None, config), tokenizer, params, args.max_new_tokens,
+                              args.max_prompt_tokens)
+    try:
         n = regenerate_file(data, args.output, client, args.batch_size, args.limit, args.shard)
-    except EndpointError as e:  # unreachable, or failing mid-run: every finished conversation is written
+    except EndpointError as e:  # failing mid-run: every finished conversation is written
         raise SystemExit(f"regenerate: error: {e}; rerun the same command to resume") from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGINT from `timeout -s INT`: every line written is whole and flushed
         print(f"interrupted: {len(written_indices(args.output))} conversations written to {args.output}; "

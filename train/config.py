@@ -14,6 +14,7 @@ parsed with the same YAML scalar rules as the file (`3e-4` is a float, `null` is
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import re
 import typing
@@ -67,6 +68,9 @@ class ModelConfig:
                                             or sorted(self.aux_layers) != self.aux_layers):
             raise ValueError(f"aux_layers must name 3 target layers (ids >= 0) in ascending order, the order every "
                              f"engine fuses their streams in; got {self.aux_layers}")
+        if self.aux_layers is not None and self.aux_layers[0] == 1:  # found before training, not at its export
+            raise ValueError("aux_layers may not start at layer 1: SGLang's config cannot name the stream entering it "
+                             "(a list starting at 1 names layer outputs)")
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,9 @@ class DataConfig(dataset.DataConfig):
         if self.path is not None and self.synthetic is not None:
             raise ValueError("set at most one of 'path' and 'synthetic'")
         if self.synthetic is not None:  # its rows are made whole, in its own batches: these fields would do nothing
-            read = ("synthetic", "hidden_states", "pad_multiple", "num_proc", "cache_dir")
+            allowed = ("synthetic", "hidden_states", "pad_multiple", "num_proc", "cache_dir")
             unread = [f.name for f in dataclasses.fields(DataConfig)
-                      if f.name not in read and getattr(self, f.name) != f.default]
+                      if f.name not in allowed and getattr(self, f.name) != f.default]
             if unread:
                 raise ValueError(f"synthetic data reads none of {unread}: set them on the synthetic section "
                                  "(num_batches, batch_size, seq_len) or use data.path")
@@ -241,8 +245,9 @@ class DeepSpeedConfig:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         zero = self.extra.get("zero_optimization")
         given = set(self.extra) | {f"zero_optimization.{k}" for k in (zero if isinstance(zero, dict) else ())}
-        for key in sorted(given & set(RECIPE_OWNED_DEEPSPEED)):
-            raise ValueError(f"extra.{key} is the recipe's {RECIPE_OWNED_DEEPSPEED[key]}: set that instead")
+        if owned := sorted(given & set(RECIPE_OWNED_DEEPSPEED)):
+            raise ValueError("; ".join(f"extra.{key} is the recipe's {RECIPE_OWNED_DEEPSPEED[key]}" for key in owned)
+                             + ": set those instead")
 
 
 @dataclass(frozen=True)
@@ -267,7 +272,12 @@ class _Loader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`, which the base class merges
+                continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, collections.abc.Hashable):
+                raise yaml.constructor.ConstructorError(None, None, f"a key that is not a name: {key!r}",
+                                                        key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key '{key}' given twice in one mapping", key_node.start_mark)

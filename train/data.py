@@ -70,8 +70,7 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     cfg = recipe.data
     if cfg.synthetic is not None:
         return synthetic_rows(cfg.synthetic, vocab_size)
-    sources, paths, (tokenizer_key, tokenizer_path) = data_inputs(recipe)
-    tokenizer_source = cfg.tokenizer or recipe.model.target
+    sources, paths, (tokenizer_key, tokenizer_source, tokenizer_path) = data_inputs(recipe)
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.chat_template is None:  # else the first conversation fails deep inside the tokenizing
         raise ConfigError(f"{tokenizer_key} {tokenizer_source}: its tokenizer has no chat template (a base model?), so "
@@ -94,10 +93,10 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
     return rows
 
 
-def data_inputs(recipe: TrainRecipe) -> tuple[list[Source], list[Path], tuple[str, Path]]:
+def data_inputs(recipe: TrainRecipe) -> tuple[list[Source], list[Path], tuple[str, str, Path]]:
     """The conversation rows' inputs, resolved (packaged data sets fetched) without reading them: `data.path`'s
-    sources and their paths, and (the recipe key naming it, the path) of the tokenizer. A source or tokenizer that
-    does not exist, or a file listed twice, is a `ConfigError` naming its key."""
+    sources and their paths, and the tokenizer's (recipe key naming it, its value there, path). A source or tokenizer
+    that does not exist, or a file listed twice, is a `ConfigError` naming its key."""
     cfg = recipe.data
     if cfg.path is None:
         raise ConfigError("no training data: set data.path or data.synthetic in the recipe")
@@ -115,7 +114,7 @@ def data_inputs(recipe: TrainRecipe) -> tuple[list[Source], list[Path], tuple[st
         tokenizer_path = resolve_target(tokenizer_source)
     except FileNotFoundError as e:
         raise ConfigError(f"{tokenizer_key}: {e}") from None
-    return sources, paths, (tokenizer_key, tokenizer_path)
+    return sources, paths, (tokenizer_key, tokenizer_source, tokenizer_path)
 
 
 def check_fits_context(cfg: DataConfig, context: int) -> None:

@@ -166,10 +166,16 @@ def test_exported_layer_ids_read_alike_in_both_engines(tmp_path, aux, nested):
     written = json.loads((tmp_path / "out/config.json").read_text())
     assert written["eagle_aux_hidden_state_layer_ids"] == list(aux)
     assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == nested
-    assert tuple(i + (nested[0] == 1) for i in nested) == aux  # SGLang's rule applied to what it reads
     del written["eagle_aux_hidden_state_layer_ids"]  # as SGLang sees it: the nested list alone
     (tmp_path / "out/config.json").write_text(json.dumps(written))
     assert load_draft_head(tmp_path / "out").config.aux_layers == aux
+
+
+def test_layer_ids_from_layer_1_are_refused_at_export(tmp_path):
+    """SGLang reads a nested list starting at 1 as layer outputs: the stream entering layer 1 has no form there."""
+    write_public_eagle3(tmp_path / "head", eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"aux layers \(1, 2, 3\): SGLang's config cannot name the stream entering"):
+        save_eagle3(load_draft_head(tmp_path / "head"), tmp_path / "out")
 
 
 @pytest.mark.parametrize("architecture", ["Eagle3LlamaForCausalLM", "Qwen2ForCausalLMEagle3"])

@@ -147,7 +147,7 @@ def test_broken_json_in_a_closed_array_says_the_rest_is_unread(tmp_path):
 
 
 def test_text_after_a_closed_array_is_a_bad_record(tmp_path):
-    """Two arrays concatenated (`cat part1.json part2.json`): the second's records are not read silently lost."""
+    """Two arrays concatenated (`cat part1.json part2.json`): the second's records are not silently lost."""
     records = json.dumps([{"messages": CHAT}] * 2)
     convs, report = read(write(tmp_path / "cat.json", records + "\n" + records))
     assert len(convs) == 2 and report.skipped[0][0] == "record 3" and "after the array's closing ']'" in (
@@ -163,6 +163,11 @@ def test_a_file_not_in_utf8_names_its_line(tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes((json.dumps({"messages": CHAT}) + "\n").encode() + latin1)
     with pytest.raises(ConversationError, match=r"latin1\.jsonl: line 2 \(byte \d+\): not UTF-8"):
         read(tmp_path / "latin1.jsonl")
+    first = (json.dumps({"messages": CHAT}) + "\n").encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + first + latin1)  # the byte counted in the file, BOM too
+    at = 3 + len(first) + latin1.index("é".encode("latin-1"))
+    with pytest.raises(ConversationError, match=rf"bom\.jsonl: line 2 \(byte {at}\): not UTF-8"):
+        read(tmp_path / "bom.jsonl")
 
 
 @pytest.mark.parametrize("turn, reason", [

@@ -156,7 +156,9 @@ def test_an_unreachable_endpoint_is_named_without_a_traceback(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:  # nothing listens on port 9
         regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "o.jsonl"),
                                 "--endpoint", "http://127.0.0.1:9/v1"])
-    assert "regenerate: error: http://127.0.0.1:9/v1: GET /models failed" in str(stopped.value)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "error: http://127.0.0.1:9/v1: GET /models failed" in err
+    assert "resume" not in err  # nothing ran
 
 
 def test_missing_data_is_a_usage_error_before_the_target_loads(tmp_path, capsys):

@@ -29,10 +29,10 @@ def test_scalars_follow_yaml():
 
 
 def test_set_overrides():
-    recipe = load_recipe("ci-tiny", ["optim.lr=1e-2", "checkpoint.stop_after=3", "model.aux_layers=[1, 2, 3]",
+    recipe = load_recipe("ci-tiny", ["optim.lr=1e-2", "checkpoint.stop_after=3", "model.aux_layers=[2, 3, 4]",
                                      "deepspeed.zero_stage=2", "data.synthetic.seq_len=16"])
     assert recipe.optim.lr == 1e-2 and recipe.checkpoint.stop_after == 3
-    assert recipe.model.aux_layers == [1, 2, 3] and recipe.deepspeed.zero_stage == 2
+    assert recipe.model.aux_layers == [2, 3, 4] and recipe.deepspeed.zero_stage == 2
     assert recipe.data.synthetic.seq_len == 16
     assert isinstance(load_recipe("ci-tiny", ["optim.lr=1"]).optim.lr, float)
 
@@ -54,7 +54,9 @@ def test_set_overrides():
     (["optim=3"], ["'optim' should be a mapping"]),
     (["optim.min_lr=0.03"], ["optim", "min_lr 0.03 exceeds lr 0.003: the cosine would climb"]),
     (["deepspeed.extra={gradient_accumulation_steps: 1}"],
-     ["deepspeed", "extra.gradient_accumulation_steps is the recipe's optim.grad_accum: set that instead"]),
+     ["deepspeed", "extra.gradient_accumulation_steps is the recipe's optim.grad_accum: set those instead"]),
+    (["deepspeed.extra={gradient_clipping: 1.0, optimizer: {type: Adam}}"],
+     ["extra.gradient_clipping is the recipe's optim.grad_clip; extra.optimizer is the recipe's optim"]),
     (["deepspeed.extra={bf16: {enabled: true}}"], ["extra.bf16 is the recipe's model.precision"]),
     (["deepspeed.extra={zero_optimization: {stage: 3, reduce_bucket_size: 5}}"],
      ["extra.zero_optimization.stage is the recipe's deepspeed.zero_stage"]),
@@ -106,12 +108,21 @@ def test_extra_deepspeed_settings_the_recipe_does_not_own_pass():
     ("model: {random_target: {}}\noptim: {lr: 3.0e-3, warmup_steps: 2}\noptim: {total_steps: 8}\n",
      r"(?s)bad\.yaml: not valid YAML: .*key 'optim' given twice.*line 3"),
     ("model: {random_target: {}}\noptim: {lr: 3.0e-3, lr: 1.0e-3}\n", "key 'lr' given twice"),
+    ("model: {random_target: {}}\noptim: {[lr]: 3.0e-3}\n", r"a key that is not a name: \['lr'\]"),
 ])
 def test_bad_file_names_file_and_key(tmp_path, text, words):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=words):
         load_recipe(path)
+
+
+def test_yaml_merge_keys_still_merge(tmp_path):
+    """The check for keys given twice leaves YAML's `<<` merges to the loader."""
+    path = tmp_path / "merged.yaml"
+    path.write_text("model: {random_target: {}}\noptim: {<<: {lr: 3.0e-3, total_steps: 8}, total_steps: 9}\n")
+    optim = load_recipe(path).optim
+    assert (optim.lr, optim.total_steps) == (3.0e-3, 9)
 
 
 def test_unknown_recipe_name():
@@ -132,9 +143,11 @@ def test_a_directory_named_like_a_recipe_is_not_one(tmp_path, monkeypatch):
     ("no-such-recipe", [], ["recipe 'no-such-recipe': no such file", "ci-tiny"]),
     ("ci-tiny", ["data.synthetic=null", "data.path=missing.jsonl", "data.tokenizer=smollm2-135m-instruct"],
      ["data.path: ", "'missing.jsonl' is neither an existing path"]),
-    ("ci-tiny", ["model.aux_layers=[1, 2, 9]"], ["model.aux_layers: aux layers (1, 2, 9) do not exist in a target "
+    ("ci-tiny", ["model.aux_layers=[2, 3, 9]"], ["model.aux_layers: aux layers (2, 3, 9) do not exist in a target "
                                                  "of 4 layers"]),
     ("ci-tiny", ["model.aux_layers=[1, 2]"], ["model", "aux_layers must name 3 target layers"]),
+    ("ci-tiny", ["model.aux_layers=[3, 2, 4]"], ["model", "in ascending order, the order every engine fuses"]),
+    ("ci-tiny", ["model.aux_layers=[1, 2, 3]"], ["model", "aux_layers may not start at layer 1"]),
     ("ci-tiny", ["model.draft_vocab_size=0"], ["model", "draft_vocab_size must be >= 1"]),
     ("ci-tiny", ["data.synthetic.batch_size=0"], ["data.synthetic", "need num_batches, batch_size, seq_len >= 1"]),
     ("ci-tiny", ["optim.betas=[0.9]"], ["optim", "betas must be two numbers in [0, 1)"]),

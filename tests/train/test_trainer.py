@@ -183,8 +183,8 @@ def test_aux_layers_set_to_the_default_are_left_implicit():
     target = architecture_config("smollm2-135m")
     default = list(target.default_aux_layers)  # [2, 15, 27]
     assert trainer.head_config(load_recipe("ci-tiny", [f"model.aux_layers={default}"]).model, target).aux_layers is None
-    other = load_recipe("ci-tiny", ["model.aux_layers=[1, 2, 3]"]).model
-    assert trainer.head_config(other, target).aux_layers == (1, 2, 3)
+    other = load_recipe("ci-tiny", ["model.aux_layers=[2, 3, 4]"]).model
+    assert trainer.head_config(other, target).aux_layers == (2, 3, 4)
 
 
 def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
@@ -196,7 +196,7 @@ def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
 
 @pytest.mark.parametrize("overrides, words", [
     (["model.draft_vocab_size=32"], "holds another head (draft_vocab_size: 64 then, 32 now"),
-    (["model.aux_layers=[1, 2, 3]"], "holds another head (aux_layers: [2, 2, 1] then, [1, 2, 3] now"),
+    (["model.aux_layers=[2, 3, 4]"], "holds another head (aux_layers: [2, 2, 1] then, [2, 3, 4] now"),
     (["model.precision=bf16"], "holds another head (precision: 'float32' then, 'bfloat16' now"),
     (["optim.lr=1e-3"], "holds optimizer states of other settings (optim.lr: 0.003 then, 0.001 now"),
     (["optim.betas=[0.8, 0.9]"], "holds optimizer states of other settings (optim.betas: [0.9, 0.95] then, "
