@@ -129,3 +129,22 @@ def case_id(case: Case) -> str:
     splits = "" if case.num_splits is None else f"-s{case.num_splits}"
     return (f"{case.kind}-B{case.B}-T{case.T}-W{case.W}-P{case.max_prefix}-g{case.group}-D{case.D}-"
             f"{str(case.dtype)[6:]}-bs{case.block_size}{splits}")
+
+
+def dense_attention(pool: KVPool, block_table, prefix_lens, window_mask, q, k, v):
+    """The attention `reference` computes, written independently of the backends: each row's keys gathered from its
+    cache slots (prefix and the window's cached part) then the new k/v, a masked softmax in fp64 -> [B, T, Hq, D];
+    a row that sees no key gives 0."""
+    B, T, Hq, D = q.shape
+    W, group, block_size = window_mask.shape[-1], Hq // k.shape[2], pool.block_size
+    out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        cached = int(prefix_lens[b]) + W - T
+        slots = [int(block_table[b, p // block_size]) * block_size + p % block_size for p in range(cached)]
+        keys, values = (torch.cat([cache[LAYER][slots], new[b]]).double().repeat_interleave(group, 1)
+                        for cache, new in ((pool.k, k), (pool.v, v)))  # [S, Hq, D]
+        seen = torch.cat([torch.ones(T, int(prefix_lens[b]), dtype=torch.bool), window_mask[b].cpu()], 1)  # [T, S]
+        scores = torch.einsum("thd,shd->hts", q[b].double(), keys) / D**0.5
+        out[b] = torch.einsum("hts,shd->thd", scores.masked_fill(~seen, -torch.inf).softmax(-1).nan_to_num(0.0),
+                              values)
+    return out
