@@ -113,8 +113,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
     model needs and the file lacks is an error (transformers would fill it with random values)."""
     from transformers import AutoModelForCausalLM
 
+    scaling = _gguf_rope_scaling(path)  # first: a scaling eyas cannot read fails before the tensors are dequantised
     folder, name = _gguf_parts(path)
-    config = gguf_config(path)
     # transformers owns GGUF's name mapping, dequantisation and the q/k rotary permutation.
     hf_model, info = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, output_loading_info=True)
@@ -123,44 +123,56 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
             names = sorted(str(key) for key in info[kind])
             raise CheckpointError(f"{path}: {kind.replace('_keys', '')} tensors {', '.join(names[:8])}"
                                   + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
-    return config, dict(hf_model.state_dict())
+    return _with_rope_scaling(hf_model.config.to_dict(), scaling), dict(hf_model.state_dict())
 
 
 def gguf_config(path: Path) -> dict:
     """The HF config dict of a GGUF file: transformers' reading of its metadata, with the RoPE scaling that reading
-    drops. llama.cpp keeps Llama 3's scaling as a `rope_freqs` tensor of per-frequency divisors (its converter
-    writes them from the HF rule with the HF defaults but `factor`), and linear scaling as metadata."""
+    drops (`_gguf_rope_scaling`)."""
+    from transformers import AutoConfig
+
+    scaling = _gguf_rope_scaling(path)
+    folder, name = _gguf_parts(path)
+    return _with_rope_scaling(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), scaling)
+
+
+def _with_rope_scaling(config: dict, scaling: dict | None) -> dict:
+    return config if scaling is None else config | {"rope_scaling": scaling}
+
+
+def _gguf_rope_scaling(path: Path) -> dict | None:
+    """The `rope_scaling` of a GGUF file that transformers' reading drops, or None: llama.cpp keeps Llama 3's scaling
+    as a `rope_freqs` tensor of per-frequency divisors (its converter writes them from the HF rule with the HF defaults
+    but `factor`), and linear scaling as metadata; other scalings are refused."""
     try:
         import gguf
     except ImportError as err:
         raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
-    from transformers import AutoConfig
-
-    folder, name = _gguf_parts(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
-    scaling_field = reader.fields.get(f"{arch}.rope.scaling.type")
-    scaling = scaling_field.contents() if scaling_field is not None else "none"
+
+    def field(key: str, default=None):
+        return reader.fields[key].contents() if key in reader.fields else default
+
+    scaling = field(f"{arch}.rope.scaling.type", "none")
     divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": float(reader.fields[f"{arch}.rope.scaling.factor"].contents())}
-    elif scaling != "none":
+        return {"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}
+    if scaling != "none":
         raise ConfigError(f"{path}: RoPE scaling '{scaling}' ({arch}.rope.scaling.type) is not supported "
                           "(linear, or Llama 3's rope_freqs)")
-    elif divisors is not None:
-        config["rope_scaling"] = _llama3_scaling(path, torch.tensor(divisors, dtype=torch.float32), config)
-    return config
+    if divisors is None:
+        return None
+    theta = float(field(f"{arch}.rope.freq_base", RopeConfig.theta))
+    return _llama3_scaling(path, torch.tensor(divisors, dtype=torch.float32), theta)
 
 
-def _llama3_scaling(path: Path, divisors: Tensor, config: dict) -> dict:
+def _llama3_scaling(path: Path, divisors: Tensor, theta: float) -> dict:
     """The llama3 `rope_scaling` whose inverse frequencies are the plain ones divided by `divisors` [head_dim // 2]."""
     source = f"{path} (rope_freqs.weight)"
-    rope = RopeConfig.from_hf(config, source)
     head_dim = 2 * divisors.numel()
-    llama3 = RopeConfig(theta=rope.theta, type="llama3", factor=float(divisors.max()))
-    plain = RopeConfig(theta=rope.theta)
+    llama3 = RopeConfig(theta=theta, type="llama3", factor=float(divisors.max()))
+    plain = RopeConfig(theta=theta)
     if not torch.allclose(rope_inv_freq(plain, head_dim) / rope_inv_freq(llama3, head_dim), divisors, rtol=1e-4):
         raise ConfigError(f"{source}: its {divisors.numel()} frequency divisors are not Llama 3's RoPE scaling "
                           f"(factor {llama3.factor:g}, low and high frequency factors 1 and 4, original context "

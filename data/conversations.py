@@ -68,20 +68,9 @@ class ReadReport:
         return text
 
 
-def read_conversations(
-    path: str | Path,
-    format: str | None = None,
-    strict: bool = False,
-    max_bytes: int | None = None,
-    report: ReadReport | None = None,
-) -> Iterator[Conversation]:
-    """Yields the normalized conversations of a file, skipping (or, if `strict`, raising on) bad records.
-
-    `format`: one of FORMATS to force every record's layout; None recognises each record by its keys.
-    `max_bytes`: read only the file's first bytes (a cut JSON array then reads as truncated).
-    `report`: filled in as the file is read; a one-line summary is also logged at the end.
-    """
-    for _, messages in read_placed_conversations(path, format, strict, max_bytes, report):
+def read_conversations(path: str | Path, **options) -> Iterator[Conversation]:
+    """`read_placed_conversations`' conversations alone."""
+    for _, messages in read_placed_conversations(path, **options):
         yield messages
 
 
@@ -92,7 +81,13 @@ def read_placed_conversations(
     max_bytes: int | None = None,
     report: ReadReport | None = None,
 ) -> Iterator[tuple[str, Conversation]]:
-    """`read_conversations`' conversations, each with its place in the file ("line 3", "record 3")."""
+    """Yields (place, conversation) for the normalized conversations of a file, place being "line 3" or "record 3",
+    skipping (or, if `strict`, raising on) bad records.
+
+    `format`: one of FORMATS to force every record's layout; None recognises each record by its keys.
+    `max_bytes`: read only the file's first bytes (a cut JSON array then reads as truncated).
+    `report`: filled in as the file is read; a one-line summary is also logged at the end.
+    """
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}")
     path = Path(path)

@@ -32,7 +32,7 @@ from .sampling import SamplingParams
 def engine_options(args) -> dict:
     """The EngineConfig fields `add_engine_arguments`' options set."""
     return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph,
-            "overlap": not args.disable_overlap, "draft_fp8": getattr(args, "draft_fp8", False)}
+            "overlap": not args.disable_overlap, "draft_fp8": args.draft_fp8}
 
 
 def add_engine_arguments(parser, draft: bool = True) -> None:
@@ -48,6 +48,7 @@ def add_engine_arguments(parser, draft: bool = True) -> None:
                         help="run decode steps one at a time: by default a step is queued before the last one's "
                              "tokens reach the host, so the host's work between steps overlaps the GPU's")
     if not draft:
+        parser.set_defaults(draft_fp8=False)
         return
     parser.add_argument("--draft-fp8", action="store_true",
                         help="round the draft head's linear weights to float8 (a power-of-two scale per row): on "
