@@ -16,6 +16,15 @@ once with every assistant content replaced by SENTINEL. The text between sentine
 own, so the real text must be `piece0 + content0 + piece1 + content1 + ... + pieceN`; that gives each
 content's exact character span (checked against the real rendering, with contents as given or trimmed,
 as Llama 3's template trims them). Tokens overlapping a span are masked, plus the end-of-turn token after it.
+
+A template that rewrites contents fails that check: Qwen3's takes a reply's `<think>` block apart, writes its
+reasoning only into the replies after the last user turn, and an empty block where there was none. Such a
+conversation's spans are then what the model generates when served: from the end of the prompt the template
+renders for the turns before a reply (with its generation prompt) to the template's end-of-message marker.
+The earlier turns must render alike in that prompt and in the whole conversation, which Qwen3's do:
+
+    ...<|im_start|>assistant\n<think>\nReasoning.\n</think>\n\nAnswer.<|im_end|>\n
+                               ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ mask 1 (a last reply)
 """
 
 from __future__ import annotations
@@ -25,22 +34,38 @@ from collections.abc import Sequence
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from eyas.data.tokenizer import SENTINEL
+from eyas.data.tokenizer import SENTINEL, end_of_message
 
 
 class TemplateMismatch(ValueError):
-    """The chat template does not write an assistant content verbatim (or trimmed), so its span is unknown, or it
-    refuses the conversation (`raise_exception`: Mistral's and Gemma's refuse a system message)."""
+    """The chat template writes an assistant content neither verbatim (or trimmed) nor after its generation prompt, so
+    its span is unknown, or it refuses the conversation (`raise_exception`: Mistral's and Gemma's refuse a system
+    message)."""
 
 
 def render_with_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """(The conversation in the chat template, the [start, end) character span of each assistant content)."""
-    stand_in = [{**m, "content": SENTINEL} if m["role"] == "assistant" else m for m in messages]
+    text = _render(tokenizer, messages)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-        pieces = tokenizer.apply_chat_template(stand_in, tokenize=False, add_generation_prompt=False).split(SENTINEL)
+        return text, _content_spans(tokenizer, messages, text)
+    except TemplateMismatch as rewritten:
+        try:
+            return text, _generated_spans(tokenizer, messages, text)
+        except TemplateMismatch as e:
+            raise TemplateMismatch(f"{rewritten}, and its generation prompt does not place it: {e}") from None
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except TemplateError as e:  # one conversation the template refuses must not stop the whole data set
         raise TemplateMismatch(f"the template refuses it: {e}") from e
+
+
+def _content_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """The spans where `text` holds each assistant content verbatim (or trimmed), placed by the sentinel render."""
+    stand_in = [{**m, "content": SENTINEL} if m["role"] == "assistant" else m for m in messages]
+    pieces = _render(tokenizer, stand_in).split(SENTINEL)
     contents = [m["content"] for m in messages if m["role"] == "assistant"]
     if len(pieces) != len(contents) + 1:
         raise TemplateMismatch(f"the template wrote {len(pieces) - 1} of {len(contents)} assistant messages")
@@ -52,8 +77,31 @@ def render_with_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) 
             pos += len(content)
             parts += [piece, content]
         if "".join(parts) + pieces[-1] == text:
-            return text, spans
+            return spans
     raise TemplateMismatch("the template rewrites assistant content (neither verbatim nor trimmed)")
+
+
+def _generated_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """The spans of `text` that the model generates after each reply's prompt, up to the end-of-message marker."""
+    try:
+        marker = end_of_message(tokenizer).strip()  # SmolLM2, Qwen: "<|im_end|>"
+    except ValueError as e:  # a template that does not write a content it is given
+        raise TemplateMismatch(str(e)) from None
+    if not marker:
+        raise TemplateMismatch("the template ends a message with whitespace alone")
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+        if prompt == _render(tokenizer, messages[:i]):  # where the reply starts would be a guess
+            raise TemplateMismatch("the template has no generation prompt")
+        end = text.find(marker, len(prompt))
+        if not text.startswith(prompt) or end < 0:
+            raise TemplateMismatch(f"the turns before assistant message {len(spans) + 1} render otherwise in its "
+                                   "prompt")
+        spans.append((len(prompt), end))
+    return spans
 
 
 def mask_tokens(

@@ -52,7 +52,7 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """
     if tokenizer.chat_template is None:
         return None
-    _, after = _render_sentinel(tokenizer)
+    after = end_of_message(tokenizer)
     # Added tokens flagged special include template markers (`<|eot_id|>`, `<end_of_turn>`) that are
     # not among the named special tokens (bos, eos, ...).
     special = set(tokenizer.all_special_ids)
@@ -63,6 +63,11 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
         if tokenizer.decode([token_id]).strip():
             return None
     return None
+
+
+def end_of_message(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The text the chat template writes after an assistant message's content (SmolLM2: "<|im_end|>\\n")."""
+    return _render_sentinel(tokenizer)[1]
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

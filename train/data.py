@@ -87,6 +87,9 @@ def load_rows(recipe: TrainRecipe, vocab_size: int) -> Dataset:
             parts.append(build_dataset(path, tokenizer, cfg))
         except ConversationError as e:  # a file with no usable conversation, or a bad record in strict mode
             raise ConfigError(f"{source.key}: {e}") from None
+        if not len(parts[-1]):
+            raise ConfigError(f"{source.key}: no conversation of {path} gave a row with loss tokens (the warnings "
+                              "above say why each was dropped)")
     rows = concatenate_datasets([part.add_column(SOURCE, [k] * len(part)) for k, part in enumerate(parts)])
     if cfg.max_conversations is not None:
         rows = rows.select(range(min(cfg.max_conversations, len(rows))))

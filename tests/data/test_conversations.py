@@ -54,6 +54,18 @@ def test_leading_assistant_and_trailing_user_turns_are_dropped(tmp_path):
     assert convs == [CHAT[1:]]
 
 
+
+def test_an_empty_system_prompt_is_no_system_prompt(tmp_path):
+    for empty in ("", "  \n"):
+        turns = [{"from": "system", "value": empty}] + [
+            {"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]} for m in CHAT[1:]]
+        convs, report = read(write(tmp_path / "a.json", json.dumps([{"conversations": turns}])))
+        assert convs == [CHAT[1:]] and not report.skipped
+    # An empty turn elsewhere still spoils its record.
+    convs, report = read(write(tmp_path / "b.jsonl", json.dumps({"messages": [*CHAT[1:3], {**CHAT[3], "content": ""},
+                                                                              CHAT[4]]}) + "\n"))
+    assert convs == [] and "turn 3: empty" in report.skipped[0][1]
+
 BAD_LINES = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}, "empty"),

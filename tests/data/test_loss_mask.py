@@ -81,6 +81,52 @@ def test_a_conversation_the_template_rewrites_is_skipped_by_name(smollm2_tokeniz
     assert f"{path}: skipping the conversation at line 2: the template rewrites assistant content" in caplog.text
 
 
+
+# Qwen3's handling of replies, restated: a reply's `<think>` block is taken apart; after the last user turn the
+# reasoning is written back in a block (an empty block for the last reply when it has none), before it dropped.
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_query=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role != 'assistant' %}{{- '<|im_start|>' + m.role + '\n' + m.content + "
+    "'<|im_end|>\n' }}{%- else %}{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1]"
+    ".lstrip('\n') %}{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}{{- '<|im_start|>assistant\n<think>\n' + "
+    "reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}{%- else %}{{- '<|im_start|>assistant\n' + "
+    "content }}{%- endif %}{{- '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("chat, runs", [
+    # Replies with reasoning, as the target writes them when regenerating: the earlier one is masked as the template
+    # writes it (reasoning dropped), the last one from its `<think>` on, as served after the generation prompt.
+    ([CHAT[1], {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nParis."}, CHAT[3],
+      {"role": "assistant", "content": "<think>\nAlso easy.\n</think>\n\nRome."}],
+     ["Paris.<|im_end|>", "<think>\nAlso easy.\n</think>\n\nRome.<|im_end|>"]),
+    # A last reply whose leading newline the template strips (and an earlier one kept verbatim).
+    ([*CHAT[1:4], {"role": "assistant", "content": "\nRome. "}],
+     ["Paris is the capital of France.<|im_end|>", "<think>\n\n</think>\n\nRome. <|im_end|>"]),
+    # Replies the template writes verbatim keep their content spans: the empty block it adds is its own text.
+    (CHAT[1:], ["Paris is the capital of France.<|im_end|>", "Rome.\n<|im_end|>"]),
+])
+def test_replies_a_template_takes_apart_are_masked_as_generated(smollm2_tokenizer, chat, runs):
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN3_STYLE
+    row = tokenize_conversation(tok, chat, end_of_turn=end_of_turn_id(tok))
+    assert masked_runs(tok, row["input_ids"], row["loss_mask"]) == runs
+    unmasked = tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+    assert unmasked.count("<|im_start|>assistant\n") == 2 and "Easy" not in unmasked
+
+
+def test_a_rewriting_template_without_a_generation_prompt_is_refused(smollm2_tokenizer):
+    """Without a generation prompt the start of a reply is unknown: the fallback refuses rather than mask the header."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN3_STYLE.replace("{%- if add_generation_prompt %}", "{%- if false %}")
+    chat = [CHAT[1], {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nParis."}]
+    with pytest.raises(TemplateMismatch, match="rewrites assistant content.*has no generation prompt"):
+        render_with_spans(tok, chat)
+
 def test_a_conversation_the_template_refuses_is_skipped_by_name(smollm2_tokenizer, tmp_path, caplog):
     """Templates that raise on a role they do not support (Mistral's, Gemma's on a system message) skip that
     conversation, named, instead of stopping the whole data set."""

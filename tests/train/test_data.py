@@ -86,6 +86,15 @@ def test_a_small_eval_fraction_holds_out_a_row(conversations, tmp_path):
     assert data.eval is not None and [len(g) for g in data.eval.groups] == [1]
 
 
+
+def test_data_that_gives_no_row_says_so(conversations, tmp_path):
+    """Every conversation's reply past max_length (SmolLM2's template opens with a long system prompt): no rows."""
+    values = recipe_values(conversations, tmp_path)
+    values["data"]["max_length"] = 8
+    recipe = recipe_from_dict(values)
+    with pytest.raises(ConfigError, match=r"data.path: no conversation of .*chats.jsonl gave a row with loss tokens"):
+        load_rows(recipe, 49152)
+
 @pytest.fixture(scope="module")
 def regenerated(tmp_path_factory):
     """A small file in `python -m eyas.serve.regenerate`'s layout."""
