@@ -6,17 +6,21 @@
 Endpoints:
   POST /v1/chat/completions   model, messages, max_tokens | max_completion_tokens, temperature, top_p, top_k,
                               seed, stop, stream, stream_options.include_usage, n (1 only), user (ignored)
-  POST /v1/completions        the same with `prompt` (a string) instead of `messages`
+  POST /v1/completions        the same with `prompt` instead of `messages`: a string or token ids, or a list of
+                              one of them; max_tokens defaults to 16 there, as OpenAI's does
   GET  /v1/models, /v1/models/{model}, /metrics (Prometheus; see metrics.py)
   GET  /health                {"status": "ok"}, or a 503 {"status": "unavailable", "reason"} while shutting down
                               or when the engine thread is not running
 
 OpenAI's options that this server does not implement (logprobs, top_logprobs, frequency_penalty, presence_penalty,
-logit_bias; echo, best_of and suffix of completions) are accepted at the values that ask for nothing (false, 0, {},
-1 for best_of, null), else refused with a 400 whose code is "unsupported_parameter". A "developer" message is a
-system message.
+logit_bias; response_format, tools and store of chats; echo, best_of and suffix of completions) are accepted at the
+values that ask for nothing (false, 0, {}, [], {"type": "text"}, 1 for best_of, null), else refused with a 400 whose
+code is "unsupported_parameter"; with no tools, tool_choice "none" or "auto" and parallel_tool_calls ask for nothing.
+A "developer" message is a system message. A message's `name` goes to the chat template (most ignore it); the fields
+the openai client writes back of an answer (`message.model_dump()`: refusal, tool_calls, ...) are taken at null.
 
 A message's content is a string or a list of text parts, joined with "\\n"; other parts (images, audio) are a 400.
+A max_tokens past the context's end stops there, with finish_reason "length".
 
 Streaming answers are server-sent events (`data: {chunk}\\n\\n`, ending with `data: [DONE]\\n\\n`); with
 `stream_options: {"include_usage": true}` (streaming only) a last chunk with empty `choices` carries `usage`, the
@@ -47,7 +51,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Annotated, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -94,20 +98,26 @@ class TextPart(_Strict):
     text: str
 
 
+_Nothing = Annotated[list, Field(max_length=0)] | None
+
+
 class ChatMessage(_Strict):
     # "developer": OpenAI's newer name for the system role (its own examples send it); templates know "system".
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    # What the openai client writes back of an answer it got (`message.model_dump()`), at null: none here has them.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: _Nothing = None
+    annotations: _Nothing = None
 
-    @property
-    def template_role(self) -> str:
-        return "system" if self.role == "developer" else self.role
-
-    @property
-    def text(self) -> str:
+    def for_template(self) -> dict:
         # Parts are separate blocks of text (vLLM joins them so too): "Hello" and "world" are not "Helloworld".
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
 class StreamOptions(_Strict):
@@ -116,8 +126,8 @@ class StreamOptions(_Strict):
 
 # OpenAI options this server does not implement. Clients send them at the value that asks for nothing (false, 0, {}),
 # which is accepted; any other value is a 400 naming the option, with OpenAI's code "unsupported_parameter".
-_UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "best_of",
-                "suffix")
+_UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
+                "tools", "store", "echo", "best_of", "suffix")
 
 
 class _Generation(_Strict):
@@ -186,8 +196,13 @@ class _Generation(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
-    logprobs: bool = False  # _UNSUPPORTED
+    logprobs: bool = False  # _UNSUPPORTED, as are those below but tool_choice and parallel_tool_calls
     top_logprobs: int = 0
+    response_format: dict = Field(default_factory=lambda: {"type": "text"})
+    tools: list = Field(default_factory=list)
+    store: bool = False
+    tool_choice: Literal["none", "auto"] | None = None  # with no tools, either answers in text
+    parallel_tool_calls: bool | None = None
 
     @property
     def new_tokens(self) -> int | None:
@@ -195,11 +210,22 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(description="text or token ids, or a list of one")
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most (OpenAI's default, 16)")
     logprobs: int | None = None  # _UNSUPPORTED (0 would ask for the chosen token's logprob)
     echo: bool = False
     best_of: int = 1
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list) -> str | list[int]:
+        """The prompt's text or token ids: OpenAI's lists of prompts answer each, n=1 only one."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f"one prompt a request is supported, got a list of {len(prompt)}")
+            prompt = prompt[0]
+        return prompt
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -323,9 +349,9 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
         return JSONResponse(exc.body, exc.status)
 
     @app.exception_handler(HTTPException)
-    async def on_http_error(request, exc: HTTPException):
-        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                      "invalid_request_error")
+    async def on_http_error(request, exc: HTTPException):  # its headers: a 405's Allow
+        body = _error_body(str(exc.detail), "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_internal_error(request, exc: Exception):
@@ -346,7 +372,7 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
             raise APIError(400, f"{prompt_field}: {e}", param=prompt_field, code=code) from None
         except ShuttingDown as e:
             raise APIError(503, str(e), "service_unavailable") from None
-        return Generation(worker, stream, TextStream(tokenizer, body.stop), stop_ids)
+        return Generation(worker, stream, TextStream(tokenizer, body.stop, prompt), stop_ids)
 
     async def respond(request: Request, body: _Generation, prompt: list[int], gen: Generation, chat: bool):
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
@@ -400,7 +426,7 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
             raise APIError(400, "messages: this model has no chat template; send a prompt to /v1/completions",
                            param="messages")
         try:
-            prompt = render_chat(tokenizer, [{"role": m.template_role, "content": m.text} for m in body.messages])
+            prompt = render_chat(tokenizer, [m.for_template() for m in body.messages])
         except TemplateError as e:
             raise APIError(400, f"messages: the chat template rejects them: {e}", param="messages") from None
         return await respond(request, body, prompt, await start(body, prompt, "messages"), chat=True)
@@ -408,7 +434,12 @@ def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_n
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompt = tokenizer(body.prompt).input_ids  # with the tokenizer's BOS, if it adds one (as a chat template does)
+        if isinstance(body.prompt, str):
+            prompt = tokenizer(body.prompt).input_ids  # with the tokenizer's BOS, if it adds one (as a template does)
+        elif not all(0 <= i < len(tokenizer) for i in body.prompt):
+            raise APIError(400, f"prompt: token ids lie in [0, {len(tokenizer)})", param="prompt")
+        else:
+            prompt = body.prompt
         return await respond(request, body, prompt, await start(body, prompt, "prompt"), chat=False)
 
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "eyas"}

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"the prompt has {len(prompt)} tokens; {path.name}'s context holds "
                      f"{model.config.max_position_embeddings}")
     stops = stop_token_ids(tokenizer)
-    text, count = TextStream(tokenizer), 0
+    text, count = TextStream(tokenizer, prompt=prompt), 0
     started = time.perf_counter()
     for token in greedy_tokens(model, prompt, args.max_new_tokens, stop_ids=stops):
         if token in stops:

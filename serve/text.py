@@ -1,6 +1,6 @@
 """Generated token ids to text, piece by piece: never a broken UTF-8 character, and stop strings cut out.
 
-    text = TextStream(tokenizer, stop=["\\n\\n"])
+    text = TextStream(tokenizer, stop=["\\n\\n"], prompt=prompt_ids)
     piece = text.push([318, 257])    # text that is final: complete characters, not the start of a stop string
     rest = text.finish()             # what was held back, once the generation has ended
     text.stopped                     # a stop string was found; the text ends before it
@@ -8,10 +8,13 @@
 Decoding token by token goes wrong in two ways: a byte-level token may hold part of a UTF-8 character
 (decoded alone it gives "\\ufffd"), and some tokenizers decode a token differently after its left
 neighbour (SentencePiece's leading space). So each step decodes a short window of already-shown tokens
-plus the new ones and emits the difference, and waits while that difference ends in "\\ufffd".
+plus the new ones and emits the difference, and waits while that difference ends in "\\ufffd"; the first
+window is the prompt's last tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,13 +24,18 @@ def decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+# Prompt ids the first generated ones are decoded after: a SentencePiece decoder (Llama 2's, Mistral's) drops the
+# leading space of a text's first token, which a generated token is not.
+PROMPT_CONTEXT = 4
+
+
 class TextStream:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] = (), prompt: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
+        self.ids = list(prompt[-PROMPT_CONTEXT:])
         self.window = 0  # ids[window:shown] give the context the next piece is decoded after
-        self.shown = 0  # ids decoded into `text`
+        self.shown = len(self.ids)  # ids decoded into `text` (or the prompt's, shown by the client)
         self.text = ""
         self.sent = 0  # len(text) handed out
         self.stopped = False

@@ -598,6 +598,96 @@ def test_text_stream_never_breaks_characters():
 
 
 
+
+@functools.cache
+def sentencepiece_style_tokenizer():
+    """Llama 2's and Mistral's way of decoding, on SmolLM2's vocabulary size: a word's token carries its space as
+    "▁", and the decoder strips the first space of a text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"▁w{i}": i + 3 for i in range(49152 - 3)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("▁[^▁]*"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_text_stream_decodes_the_first_tokens_after_the_prompt():
+    """Decoded alone, a SentencePiece word loses its space: the prompt's last tokens give the first ones context."""
+    tok = sentencepiece_style_tokenizer()
+    prompt, (answer,) = tok("w1 w2").input_ids, tok("w3").input_ids
+    assert tok.decode([answer]) == "w3" and tok.decode([*prompt, answer]) == "w1 w2 w3"
+    assert TextStream(tok, prompt=prompt).push([answer]) == " w3"
+    stream = TextStream(tok, stop=[" w3"], prompt=prompt)
+    assert stream.push([answer]) + stream.finish() == "" and stream.stopped
+    with Server(speculative=False, num_blocks=32, tok=tok) as s:
+        out = s.client().completions.create(model=MODEL, prompt="w1 w2", max_tokens=3, temperature=0)
+    assert out.choices[0].text.startswith(" w") and out.usage.completion_tokens == 3, out
+
+
+def test_a_completion_prompt_in_openais_other_forms(server):
+    """Token ids, or a list of one prompt (LangChain sends its prompts as a list); more than one is refused."""
+    client = server.client()
+    ids = tokenizer()("The eyas").input_ids
+    outs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+            for prompt in ("The eyas", ["The eyas"], ids, [ids])]
+    assert all(out.choices[0].text == outs[0].choices[0].text and out.usage == outs[0].usage for out in outs)
+    for prompt, words in [(["a", "b"], "one prompt a request"), ([ids, ids], "one prompt a request"),
+                          ([49152], "token ids lie in [0, 49152)"), ([], "empty")]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert words in r.json()["error"]["message"]
+
+
+def test_a_completion_gets_openais_default_length(server):
+    client = server.client()
+    longer = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=40, temperature=0)
+    assert longer.usage.completion_tokens > 16  # so the default is what stops the next one
+    out = client.completions.create(model=MODEL, prompt="Once upon", temperature=0)
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+
+
+def test_an_answer_sent_back_as_the_client_dumps_it(server):
+    """`message.model_dump()` holds refusal, tool_calls, ... at null: OpenAI takes it back as history."""
+    client = server.client()
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    history = [*QUESTION, first.choices[0].message.model_dump(), {"role": "user", "content": "And then?"}]
+    assert {"refusal", "tool_calls", "function_call"} <= set(history[1])
+    assert client.chat.completions.create(model=MODEL, messages=history, max_tokens=2).usage.completion_tokens == 2
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [
+        *QUESTION, {"role": "assistant", "content": "x", "refusal": "I can't."}]})
+    assert r.status_code == 400 and "messages.1.refusal" in r.json()["error"]["message"], r.text
+
+
+def test_a_message_name_reaches_the_template():
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}{% if m.name %} named {{ m.name }}{% endif %}: "
+                         "{{ m.content }}\n{% endfor %}")
+    with Server(speculative=False, num_blocks=32, tok=tok) as s:
+        usage = [s.client().chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": "Hi", **name}]).usage.prompt_tokens for name in ({}, {"name": "Alice"})]
+    texts = ("user: Hi\n", "user named Alice: Hi\n")
+    assert usage == [len(tok(text, add_special_tokens=False).input_ids) for text in texts]
+
+
+def test_tool_and_format_options_that_ask_for_nothing_are_accepted(server):
+    neutral = {"response_format": {"type": "text"}, "tools": [], "store": False, "tool_choice": "none",
+               "parallel_tool_calls": False}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 2,
+                                                              **neutral})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for option, value in [("response_format", {"type": "json_object"}), ("store", True),
+                          ("tools", [{"type": "function", "function": {"name": "f"}}])]:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, option: value})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+
+
+def test_a_wrong_method_names_the_allowed_one(server):
+    r = httpx.get(f"{server.url}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "error" in r.json(), r.text
+
 @pytest.mark.parametrize("grace, reason", [(30.0, "length"), (0.0, "abort")])
 def test_worker_shutdown_finishes_or_aborts_in_flight(grace, reason):
     """Shutdown refuses new requests, lets running ones finish within the grace time (else aborts them), joins."""
