@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,15 @@ from eyas.common.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")  # what a cut-short `save` or `durable_replace` leaves
+
+
+class Stopped(Exception):
+    """A signal stopped training after a checkpoint: `train-eagle` exits as a process killed by it would (128 + its
+    number), so that a launcher, scheduler or retry loop sees an unfinished run."""
+
+    def __init__(self, name: str):
+        super().__init__(f"stopped by {name}")
+        self.exit_status = 128 + signal.Signals[name].value
 
 
 def _barrier() -> None:
@@ -62,8 +72,14 @@ def save(engine, root: Path, step: int, position: int, records: dict, keep_last:
         remove_partial(root)  # `tmp` itself too, when a save of this step was cut short
         tmp.mkdir(parents=True)
     _barrier()
-    engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    try:
+        engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as "unexpected pos ..."
+        kept = checkpoints(root)
+        raise RuntimeError(f"saving {final.name} into {tmp} failed ({e}); {shutil.disk_usage(root).free / 2**30:.1f} "
+                           f"GiB free there. {kept[-1].name if kept else 'No checkpoint'} is the last one kept: make "
+                           "room and rerun the same command to resume") from e
     _barrier()
     if rank == 0:
         state = {"step": step, "position": position} | records
@@ -71,7 +87,10 @@ def save(engine, root: Path, step: int, position: int, records: dict, keep_last:
         durable_replace(tmp, final)  # a `final` already there: a leftover of a run that died after this step
         if keep_last > 0:
             for old in checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old)
+                # Out of `checkpoints`' sight first: deleted in place, a kill could leave half of one forever.
+                aside = old.with_name(f".{old.name}.old")
+                os.replace(old, aside)
+                shutil.rmtree(aside)
     _barrier()
     return final
 
@@ -146,8 +165,8 @@ _REFUSALS = {
 
 def check_same(path: Path, key: str, now: dict) -> None:
     """Raises a ConfigError, before the checkpoint loads, when this run's record under `key` ("head": the head's
-    config and precision; "optimizer": the recipe's peak lr, betas and weight decay) is not the checkpoint's.
-    Checkpoints written before a record was kept are not compared."""
+    config and precision; "optimizer": the recipe's peak lr, betas, weight decay and ZeRO stage) is not the
+    checkpoint's. Settings one of them did not record (an earlier or later eyas) are not compared."""
     changed = _changes(json.loads((path / "trainer_state.json").read_text()).get(key), now)
     if changed:
         raise ConfigError(f"{path} " + _REFUSALS[key].format(changed))
@@ -167,13 +186,14 @@ def check_same_rows(path: Path, rows: dict[str, str]) -> None:
 
 
 def _changes(saved: dict | None, now: dict) -> str:
-    """What differs between a recorded dict and this run's ('key: old then, new now; ...'); '' when nothing does
-    or nothing was recorded."""
+    """What differs between a recorded dict and this run's ('key: old then, new now; ...'); '' when nothing both
+    record does."""
     now = json.loads(json.dumps(now))  # as it would read back: tuples become lists
     if saved is None:
         return ""
-    return "; ".join(f"{key}: {saved.get(key)!r} then, {now.get(key)!r} now"
-                     for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key))
+    # Keys one side lacks are settings an earlier or later eyas did not record, or no longer does.
+    return "; ".join(f"{key}: {saved[key]!r} then, {now[key]!r} now"
+                     for key in sorted(saved.keys() & now.keys()) if saved[key] != now[key])
 
 
 def load(engine, path: Path) -> dict:

@@ -6,7 +6,8 @@
 
 `--recipe` is a YAML path or the name of a file in recipes/; each `--set dotted.key=value` overrides one
 field (YAML scalar syntax). Rerunning the same command resumes from the latest checkpoint in --output. SIGTERM or
-SIGINT (preemption, `timeout`, Ctrl-C) stops training after the step in progress and checkpoints it first.
+SIGINT (preemption, `timeout`, Ctrl-C) stops training after the step in progress and checkpoints it first; the exit
+status is then the signal's (143, 130), as for a killed process: the run is unfinished.
 
 Offline hidden states (a recipe with `data.hidden_states: DIR`): first dump them, once, in one process on one
 device that holds the whole target; rerun the same command to resume an interrupted dump. Training then reads
@@ -19,11 +20,13 @@ DIR and loads only the target's embedding, final norm and lm_head:
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch.distributed as dist
 
 from eyas.common.config import ConfigError
 
+from .checkpoint import Stopped
 from .config import load_recipe
 
 
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
             train(recipe, args.output)
     except ConfigError as err:  # a bad recipe or config.json: its message names the key; a traceback adds nothing
         parser.error(str(err))
+    except Stopped as stopped:  # checkpointed, and said so: the status tells a retry loop the run is unfinished
+        sys.exit(stopped.exit_status)
     if dist.is_initialized():
         dist.destroy_process_group()
 

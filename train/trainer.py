@@ -288,14 +288,16 @@ def _data_order(recipe: TrainRecipe, world_size: int) -> dict:
 
 def _optimizer_settings(recipe: TrainRecipe) -> dict:
     """The settings a checkpoint's optimizer and lr schedule states hold, which loading them restores: the peak lr
-    (the schedule's base), betas and weight decay. The schedule's shape (warmup, min_lr, total_steps) stays the
-    recipe's."""
-    return {f"optim.{key}": getattr(recipe.optim, key) for key in ("lr", "betas", "weight_decay")}
+    (the schedule's base), betas and weight decay; and the ZeRO stage, which lays those states out (DeepSpeed fails
+    on another's files). The schedule's shape (warmup, min_lr, total_steps) stays the recipe's."""
+    return ({f"optim.{key}": getattr(recipe.optim, key) for key in ("lr", "betas", "weight_decay")}
+            | {"deepspeed.zero_stage": recipe.deepspeed.zero_stage})
 
 
 def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
-    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after`, SIGTERM or SIGINT
-    stopped it (the latter two after the step in progress, checkpointed: rerunning resumes there)."""
+    """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it.
+    SIGTERM or SIGINT stop it after the step in progress, checkpointed (rerunning resumes there), and raise
+    `checkpoint.Stopped`."""
     output = Path(output)
     rank, local_rank, world_size = _init_distributed()
     ckpt_root = output / "checkpoints"
@@ -344,6 +346,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found:
         state = checkpoint.load(engine, found[-1])
         step, position = state["step"], state["position"]
+        if rank == 0:
+            tqdm.write(f"train-eagle: resuming from {found[-1]} (step {step} of {recipe.optim.total_steps})")
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         (output / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -431,6 +435,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
         seconds = time.perf_counter() - started
         tqdm.write(f"train-eagle: ~{seen * world_size} tokens in {seconds:.0f} s since the start, loading and "
                    f"evaluation included ({seen * world_size / seconds:.1f} tokens/s)")
+    if signalled:
+        raise checkpoint.Stopped(stop.name or "SIGTERM")
     if not done:
         return None
 

@@ -202,11 +202,13 @@ def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
     (["optim.betas=[0.8, 0.9]"], "holds optimizer states of other settings (optim.betas: [0.9, 0.95] then, "
                                  "[0.8, 0.9] now"),
     (["optim.weight_decay=0.1"], "holds optimizer states of other settings (optim.weight_decay: 0.0 then, 0.1 now"),
+    # DeepSpeed fails on another stage's files, with errors that do not say so.
+    (["deepspeed.zero_stage=3"], "holds optimizer states of other settings (deepspeed.zero_stage: 1 then, 3 now"),
 ])
 def test_a_checkpoint_resumes_only_into_the_head_and_optimizer_it_holds(full_run, tmp_path, overrides, words):
     """Another head shape, fused layers or precision is refused by name before the checkpoint loads (a head of
     other layers would train on silently; one of another shape failed inside DeepSpeed's load); so is another lr,
-    betas or weight decay, which loading the checkpoint's optimizer states would silently put back."""
+    betas or weight decay, which loading the checkpoint's optimizer states would silently put back, or ZeRO stage."""
     _, run = full_run
     shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
     with pytest.raises(ConfigError) as refused:
@@ -251,6 +253,40 @@ def test_a_save_deletes_what_saves_cut_short_left(tmp_path):
     checkpoint.save(engine, tmp_path, step=4, position=8, records={})
     assert sorted(p.name for p in tmp_path.iterdir()) == [".final.tmp", "step_2", "step_4"]
 
+
+def test_records_compare_the_settings_both_hold():
+    """A setting one eyas records and another does not (added or dropped since) does not refuse a resume."""
+    assert checkpoint._changes({"optim.lr": 1.0, "data.pad_multiple": 8}, {"optim.lr": 1.0, "zero": 2}) == ""
+    assert checkpoint._changes({"optim.lr": 1.0}, {"optim.lr": 2.0, "zero": 2}) == "optim.lr: 1.0 then, 2.0 now"
+
+
+def test_pruning_moves_a_checkpoint_out_of_sight_before_deleting_it(tmp_path, monkeypatch):
+    """A kill mid-delete must not leave a `step_N` that `checkpoints` no longer lists (its trainer_state.json gone)
+    and no save ever deletes: the prune renames it to a `.step_N.old`, which the next save or start deletes."""
+    engine = types.SimpleNamespace(save_checkpoint=lambda path, tag, save_latest: (Path(path) / tag).mkdir())
+    checkpoint.save(engine, tmp_path, step=2, position=2, records={})
+    deleted = []
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: Path(path).exists() and deleted.append(
+        Path(path).name))  # durable_replace clears a `.step_4.old` that is not there
+    checkpoint.save(engine, tmp_path, step=4, position=4, records={}, keep_last=1)
+    assert deleted == [".step_2.old"] and sorted(p.name for p in tmp_path.iterdir()) == [".step_2.old", "step_4"]
+    monkeypatch.undo()
+    checkpoint.remove_partial(tmp_path)  # what the killed prune left, gone at the next start
+    assert [p.name for p in tmp_path.iterdir()] == ["step_4"]
+
+
+def test_a_save_that_fails_names_the_checkpoint_kept(tmp_path):
+    """A full disk reaches torch as 'unexpected pos ...': the error says which save failed, the room left and the
+    checkpoint a rerun resumes from."""
+    engine = types.SimpleNamespace(save_checkpoint=lambda path, tag, save_latest: (Path(path) / tag).mkdir())
+    checkpoint.save(engine, tmp_path, step=2, position=2, records={})
+
+    def full(path, tag, save_latest):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 250048 vs 249936")
+
+    with pytest.raises(RuntimeError, match=r"saving step_4 into .*\.step_4\.tmp failed \(.*unexpected pos.*\); "
+                       r"[\d.]+ GiB free there\. step_2 is the last one kept"):
+        checkpoint.save(types.SimpleNamespace(save_checkpoint=full), tmp_path, step=4, position=4, records={})
 
 def test_a_run_that_saves_no_more_deletes_what_a_save_cut_short_left(tmp_path):
     """A run without periodic checkpoints killed while saving the one a SIGTERM asked for, then rerun: it never saves,
@@ -314,8 +350,9 @@ def test_sigkill_mid_run_resumes_to_the_same_weights(tmp_path, offline):
 
 def test_sigterm_checkpoints_the_step_in_progress_and_resumes_to_the_same_weights(tmp_path):
     """SIGTERM (preemption, `timeout`) mid-run: `train-eagle` finishes its step, checkpoints it although no periodic
-    checkpoint is due, says so and exits 0; rerunning the same command resumes there to the weights of an
-    uninterrupted run, and the in-process runs leave the signal handlers as they found them."""
+    checkpoint is due, says so and exits as SIGTERM would have (143: a retry loop reruns it); rerunning the same
+    command resumes there to the weights of an uninterrupted run, and the in-process runs leave the signal handlers as
+    they found them."""
     overrides = QUIET + ["optim.total_steps=60", "optim.warmup_steps=5", "checkpoint.every=1000"]
     run, log = tmp_path / "stopped", tmp_path / "stopped.log"
     process = _start_train_eagle(run, overrides)
@@ -323,7 +360,7 @@ def test_sigterm_checkpoints_the_step_in_progress_and_resumes_to_the_same_weight
     _wait_until(lambda: jsonl.exists() and jsonl.read_text().count("\n") >= 3, process, log)
     process.send_signal(signal.SIGTERM)
     try:
-        assert process.wait(timeout=60) == 0, log.read_text()
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
     except subprocess.TimeoutExpired:
         process.kill()
         raise AssertionError("SIGTERM did not stop the run:\n" + log.read_text()) from None
