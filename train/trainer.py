@@ -47,7 +47,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from eyas.common.assets import resolve_target
+from eyas.common.assets import model_source, resolve_target
 from eyas.common.config import ConfigError, TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import export_speculators, load_draft_head, save_eagle3
@@ -447,7 +447,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
         if rank == 0:
             _atomic_export(final, functools.partial(_write_final, head, final_eval))
             _atomic_export(output / "final-speculators", lambda p: export_speculators(
-                head, p, verifier=recipe.model.target or "random-target",
+                head, p, verifier=model_source(recipe.model.target) if recipe.model.target else "random-target",
                 verifier_architectures=_verifier_architectures(recipe.model, target.config), speculative_tokens=steps,
             ))
     if world_size > 1:

