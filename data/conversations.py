@@ -250,8 +250,10 @@ def normalize(record: object, format: str | None = None) -> Conversation:
             if not isinstance(role, str) or role not in ROLES:
                 raise ValueError(f"turn {number}: unknown role {role!r}")
             messages.append({"role": ROLES[role], "content": turn[keys[1]]})
-    if messages and messages[0]["role"] == "system" and str(messages[0]["content"]).strip() == "":  # none given
-        messages = messages[1:]
+    if messages and messages[0]["role"] == "system":
+        content = messages[0]["content"]
+        if isinstance(content, str) and not content.strip():  # no system prompt given
+            messages = messages[1:]
     for number, m in enumerate(messages, start=1):
         if not isinstance(m["content"], str) or not m["content"].strip():
             raise ValueError(f"turn {number}: empty or non-string {m['role']} content: {str(m['content'])[:40]!r}")

@@ -89,13 +89,12 @@ def _generated_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], t
         raise TemplateMismatch(str(e)) from None
     if not marker:
         raise TemplateMismatch("the template ends a message with whitespace alone")
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prompts = [_render(tokenizer, messages[:i], generation_prompt=True) for i in replies]
+    if prompts[0] == _render(tokenizer, messages[: replies[0]]):  # where a reply starts would be a guess
+        raise TemplateMismatch("the template has no generation prompt")
     spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, messages[:i], generation_prompt=True)
-        if prompt == _render(tokenizer, messages[:i]):  # where the reply starts would be a guess
-            raise TemplateMismatch("the template has no generation prompt")
+    for prompt in prompts:
         end = text.find(marker, len(prompt))
         if not text.startswith(prompt) or end < 0:
             raise TemplateMismatch(f"the turns before assistant message {len(spans) + 1} render otherwise in its "
