@@ -4,8 +4,8 @@
     step_N/rng_rank{R}.pt      python, numpy and torch (CPU + CUDA) RNG states of rank R
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
                                that decide which rows a position means (`check_resumable`), "head": the head's
-                               shape and precision (`check_same`), "optimizer": the settings its optimizer
-                               and lr schedule states hold (`check_same`), "rows": hashes of the data's
+                               shape and precision and its target's fingerprint (`check_same`), "optimizer":
+                               the settings its optimizer and lr schedule states hold (`check_same`), "rows": hashes of the data's
                                rows, their tokens and their lengths (`check_same_rows`)}; written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
@@ -154,9 +154,9 @@ def check_resumable(path: Path, data_order: dict, total_steps: int) -> None:
 
 # A resume whose record under the key differs from the checkpoint's: what it would do wrong, what to do instead.
 _REFUSALS = {
-    "head": "holds another head ({}): its weights or optimizer states would not fit, or would feed other layers; "
-            "resume with the recipe's model settings (model.draft_vocab_size, model.aux_layers, model.precision, the "
-            "target) as they were, or train into another --output",
+    "head": "holds another head ({}): its weights or optimizer states would not fit, would feed other layers, or "
+            "were learned from another target; resume with the recipe's model settings (model.draft_vocab_size, "
+            "model.aux_layers, model.precision, the target) as they were, or train into another --output",
     "optimizer": "holds optimizer states of other settings ({}), which resuming would restore over the recipe's: "
                  "resume with them as they were, or train its head further into another --output with "
                  "model.init_from=<its run>/final (a fresh optimizer)",
@@ -165,7 +165,7 @@ _REFUSALS = {
 
 def check_same(path: Path, key: str, now: dict) -> None:
     """Raises a ConfigError, before the checkpoint loads, when this run's record under `key` ("head": the head's
-    config and precision; "optimizer": the recipe's peak lr, betas, weight decay and ZeRO stage) is not the
+    config, precision and target's fingerprint; "optimizer": the recipe's peak lr, betas, weight decay and ZeRO stage) is not the
     checkpoint's. Settings one of them did not record (an earlier or later eyas) are not compared."""
     changed = _changes(json.loads((path / "trainer_state.json").read_text()).get(key), now)
     if changed:

@@ -54,7 +54,7 @@ from eyas.common.head_checkpoint import export_speculators, load_draft_head, sav
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.layers import use_kernels
 from eyas.common.target import TargetModel, default_dtype
-from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states
+from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states, target_fingerprint
 
 from . import checkpoint
 from .batches import Batch, micro_batches
@@ -321,9 +321,11 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     target = load_target(recipe.model, dtype, device, layers=recipe.data.hidden_states is None)
     config = head_config(recipe.model, target.config)
     aux_layers = config.aux_layers_for(target.config)
-    # What a checkpoint's weights and optimizer states fit: the head's config, its layers resolved, and precision.
+    # What a checkpoint's weights and optimizer states fit: the head's config, its layers resolved, precision, and the
+    # target whose states it learned from (another of the same shape, a base model for its instruct one, would load).
     precision = str(dtype).removeprefix("torch.")
-    head_record = dataclasses.asdict(config) | {"aux_layers": aux_layers, "precision": precision}
+    head_record = dataclasses.asdict(config) | {"aux_layers": aux_layers, "precision": precision,
+                                                "target": target_fingerprint(target)}
     if found:
         checkpoint.check_same(found[-1], "head", head_record)
     data = _prepare_data(recipe, target, aux_layers, rank)

@@ -198,6 +198,8 @@ def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
     (["model.draft_vocab_size=32"], "holds another head (draft_vocab_size: 64 then, 32 now"),
     (["model.aux_layers=[2, 3, 4]"], "holds another head (aux_layers: [2, 2, 1] then, [2, 3, 4] now"),
     (["model.precision=bf16"], "holds another head (precision: 'float32' then, 'bfloat16' now"),
+    # A target of the same shape (a base model for its instruct one): the head would train on from other states.
+    (["model.random_target.seed=1"], "holds another head (target: {'model_type': 'llama', 'hash': "),
     (["optim.lr=1e-3"], "holds optimizer states of other settings (optim.lr: 0.003 then, 0.001 now"),
     (["optim.betas=[0.8, 0.9]"], "holds optimizer states of other settings (optim.betas: [0.9, 0.95] then, "
                                  "[0.8, 0.9] now"),
@@ -206,7 +208,7 @@ def test_padding_and_the_dump_directory_do_not_change_what_a_position_means():
     (["deepspeed.zero_stage=3"], "holds optimizer states of other settings (deepspeed.zero_stage: 1 then, 3 now"),
 ])
 def test_a_checkpoint_resumes_only_into_the_head_and_optimizer_it_holds(full_run, tmp_path, overrides, words):
-    """Another head shape, fused layers or precision is refused by name before the checkpoint loads (a head of
+    """Another head shape, fused layers, precision or target is refused by name before the checkpoint loads (a head of
     other layers would train on silently; one of another shape failed inside DeepSpeed's load); so is another lr,
     betas or weight decay, which loading the checkpoint's optimizer states would silently put back, or ZeRO stage."""
     _, run = full_run
