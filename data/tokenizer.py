@@ -2,7 +2,7 @@
 
     tok = load_tokenizer("path/to/model.gguf")  # or a Hugging Face directory
     ids = render_chat(tok, [{"role": "user", "content": "Hi"}])  # the prompt, up to the assistant header
-    stops = stop_token_ids(tok)  # SmolLM2: [2], <|im_end|>
+    stops = stop_token_ids(tok)  # SmolLM2: [2], <|im_end|>; with a generation_config.json, its eos ids too
 
 Data preparation, serving and evaluation all load tokenizers here, so they agree on the template and
 on which tokens end a turn.
@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from eyas.common.config import ConfigError, read_json
 
 # Stands for an assistant message's content: plain letters that no template rewrites or merges with
 # the marker that follows.
@@ -71,9 +73,28 @@ def end_of_message(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Ids that end a generation: eos and the end-of-turn token (one id when they are the same)."""
-    ids = (tokenizer.eos_token_id, end_of_turn_id(tokenizer))
+    """Ids that end a generation, each once: eos, the end-of-turn token, and the eos ids of the generation_config.json
+    beside the tokenizer's files, where the checkpoint has one (Llama 3.1 Instruct's: <|eot_id|>, <|eom_id|> after a
+    tool call, <|end_of_text|>; Qwen2.5's: <|im_end|>, <|endoftext|>), as Hugging Face `generate`, vLLM and SGLang
+    stop."""
+    ids = (tokenizer.eos_token_id, end_of_turn_id(tokenizer), *_generation_eos_ids(tokenizer))
     return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _generation_eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """`eos_token_id` (an id or a list of them) of generation_config.json in the directory the tokenizer was loaded
+    from; [] where there is none."""
+    if not tokenizer.name_or_path:  # built in memory, not loaded
+        return []
+    path = Path(tokenizer.name_or_path) / "generation_config.json"
+    if not path.is_file():
+        return []
+    ids = read_json(path).get("eos_token_id")
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    if not (isinstance(ids, list) and all(type(i) is int and 0 <= i < len(tokenizer) for i in ids)):
+        raise ConfigError(f"{path}: field 'eos_token_id' must be a token id or a list of them, each below the "
+                          f"vocabulary's {len(tokenizer)}, got {ids!r}")
+    return ids
 
 
 def align_eos(tokenizer: PreTrainedTokenizerBase) -> None:

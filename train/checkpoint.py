@@ -5,8 +5,9 @@
     step_N/trainer_state.json  {"step": N, "position": micro-batches consumed per rank, "data_order": the settings
                                that decide which rows a position means (`check_resumable`), "head": the head's
                                shape and precision and its target's fingerprint (`check_same`), "optimizer":
-                               the settings its optimizer and lr schedule states hold (`check_same`), "rows": hashes of the data's
-                               rows, their tokens and their lengths (`check_same_rows`)}; written last
+                               the settings its optimizer and lr schedule states hold (`check_same`), "rows":
+                               hashes of the data's rows, their tokens and their lengths (`check_same_rows`)};
+                               written last
 
 Every rank writes into `.step_N.tmp/`; after a barrier rank 0 flushes it to disk and renames it to `step_N/`
 (`durable_replace`), so a directory named `step_N` is always complete, even after a power loss (a run killed while
@@ -165,8 +166,8 @@ _REFUSALS = {
 
 def check_same(path: Path, key: str, now: dict) -> None:
     """Raises a ConfigError, before the checkpoint loads, when this run's record under `key` ("head": the head's
-    config, precision and target's fingerprint; "optimizer": the recipe's peak lr, betas, weight decay and ZeRO stage) is not the
-    checkpoint's. Settings one of them did not record (an earlier or later eyas) are not compared."""
+    config, precision and target's fingerprint; "optimizer": the recipe's peak lr, betas, weight decay and ZeRO stage)
+    is not the checkpoint's. Settings one of them did not record (an earlier or later eyas) are not compared."""
     changed = _changes(json.loads((path / "trainer_state.json").read_text()).get(key), now)
     if changed:
         raise ConfigError(f"{path} " + _REFUSALS[key].format(changed))
