@@ -66,7 +66,7 @@ from .autotune import TreeByBatch, format_setting, setting_for
 from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket, length_bucket, length_buckets
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
-from .kv_cache import KVPool, OutOfBlocks
+from .kv_cache import KVPool
 from .rope import rope_tables
 from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
@@ -455,7 +455,7 @@ class Engine:
     def _grant(self, requests: list[Request], short: list[int]) -> None:
         for request, n in zip(requests, short, strict=True):
             if n > 0:
-                request.blocks += self.pool.allocator.allocate(n)  # OutOfBlocks only if one request overflows
+                request.blocks += self.pool.allocator.allocate(n)  # kv_cache.OutOfBlocks only if one request overflows
 
     def _ensure_blocks(self) -> list[Request]:
         """Gives every running request blocks for this decode step, preempting the newest when short."""
@@ -763,6 +763,3 @@ def _generators(requests: list[Request]) -> list[torch.Generator | None] | None:
     """The requests' own generators, or None when none has one: then one draw from the shared generator serves all."""
     generators = [r.generator for r in requests]
     return None if all(g is None for g in generators) else generators
-
-
-__all__ = ["Engine", "EngineConfig", "OutOfBlocks", "Request", "TreeShape"]

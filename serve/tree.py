@@ -47,7 +47,7 @@ class DraftTree:
 
 def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """logits [..., V] -> the k best draft log-probs [..., k] float32 (descending) and their indices [..., k].
-    The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.top_log_probs`."""
+    The reference; on CUDA the drafter uses the two-launch `eyas.serve.kernels.top_log_probs`."""
     return logits.float().log_softmax(-1).topk(k, dim=-1)
 
 
