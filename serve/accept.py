@@ -21,6 +21,7 @@ from eyas.common.target import TargetOutput
 
 from .attention.paged import slots_of
 from .kv_cache import KVPool
+from .tree import gather_rows
 
 
 class PathInputs(NamedTuple):
@@ -39,7 +40,7 @@ def path_inputs(path: Tensor, num_accepted: Tensor, bonus: Tensor, tokens: Tenso
     after = torch.cat([tokens.gather(1, nodes[:, 1:]), bonus[:, None]], dim=1)  # [B', T]
     is_last = torch.arange(T, device=path.device)[None] == num_accepted[:, None]
     positions = n[:, None] + torch.arange(T, device=path.device)
-    states = TargetOutput(hidden=_gather_rows(hidden, nodes), aux=None if aux is None else _gather_rows(aux, nodes))
+    states = TargetOutput(hidden=gather_rows(hidden, nodes), aux=None if aux is None else gather_rows(aux, nodes))
     return PathInputs(torch.where(is_last, bonus[:, None], after), positions, slots_of(table, positions, block_size),
                       states)
 
@@ -52,11 +53,6 @@ def move_path(pool: KVPool, path: Tensor, num_accepted: Tensor, n: Tensor, table
     source = torch.where(j <= num_accepted[:, None], path[:, :T].clamp(min=0), j)  # [B', T]
     src, dst = (slots_of(table, n[:, None] + x, pool.block_size).flatten() for x in (source, j[None]))
     pool.move(pool.rows_of(src), pool.rows_of(dst))
-
-
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """x [B, N, D], index [B, T] -> [B, T, D]."""
-    return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
 class AcceptKernels(NamedTuple):

@@ -25,7 +25,7 @@ from .attention.paged import PagedAttention, slots_of
 from .cuda_graphs import GraphCache
 from .kv_cache import KVPool
 from .rope import RopeTable
-from .tree import DraftKernels, DraftTree, TreeBuilder
+from .tree import DraftKernels, DraftTree, TreeBuilder, gather_rows
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Drafter:
         embeds = self.target.embed_tokens(next_tokens)
         features = self.head.project_target(target_out)
         out = self.head.step(embeds, features, rope, attn)  # [B, T, H]
-        hidden = out.gather(1, last[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # [B, H]
+        hidden = gather_rows(out, last[:, None])[:, 0]  # [B, H]
         return hidden, self.head.logits(hidden)  # [B, H], [B, Vd]
 
     def draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,

@@ -70,7 +70,7 @@ from .kv_cache import KVPool
 from .rope import rope_tables
 from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
 from .transfer import to_device
-from .tree import DraftKernels, DraftTree, root_only
+from .tree import DraftKernels, DraftTree, gather_rows, root_only
 from .verify import descend, draw_coins, verify_greedy, walk_sampling
 
 
@@ -560,7 +560,7 @@ class Engine:
         out = self.target(tokens, self.rope(angles_at),
                           self.attention(self.pool, table, prefix, mask.expand(B, T, T), new_slots=slots),
                           aux_layers=self.aux_layers)
-        hidden = out.hidden.gather(1, last[:, None, None].expand(B, 1, out.hidden.shape[-1]))  # [B, 1, H]
+        hidden = gather_rows(out.hidden, last[:, None])  # [B, 1, H]
         root = root_only(tokens.gather(1, last[:, None])[:, 0])
         logits = self.target.logits(hidden).float()  # [B, 1, V]
         _, _, token = verify(root.tokens, root.parents, logits, torch.ones_like(root.tokens, dtype=torch.bool),

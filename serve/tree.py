@@ -32,6 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, N, D], index [B, T] -> x[b, index[b, t]] [B, T, D]: each request's rows picked by its own indices."""
+    return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
 @dataclass
 class DraftTree:
     """The tree the target verifies, B requests of N nodes each (node 0 = root)."""
@@ -77,7 +82,7 @@ def grow_frontier(frontier: Frontier, child_scores: Tensor, child_tokens: Tensor
     rows = best // k
     # A new frontier node's drafted ancestors: its parent's (parent included), then itself.
     ancestors = frontier.ancestors
-    inherited = ancestors.gather(1, rows[:, :, None].expand(-1, -1, ancestors.shape[2]))
+    inherited = gather_rows(ancestors, rows)
     itself = torch.eye(k, dtype=torch.bool, device=best.device).expand(B, k, k)
     tokens = child_tokens.flatten(1).gather(1, best)
     return scores, parents, Frontier(start + best, scores.gather(1, best), tokens, rows,
@@ -111,8 +116,7 @@ def frontier_inputs(tokens: Tensor, embeddings: Tensor, outputs: Tensor, rows: T
     (the last pass's outputs; rows None: every node's is outputs[b, 0], the extension's output before the first
     pass). The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.frontier_inputs`."""
     B, k = tokens.shape
-    parents = outputs[:, :1].expand(B, k, -1) if rows is None else outputs.gather(
-        1, rows[:, :, None].expand(-1, -1, outputs.shape[-1]))
+    parents = outputs[:, :1].expand(B, k, -1) if rows is None else gather_rows(outputs, rows)
     return F.embedding(tokens, embeddings), parents
 
 
