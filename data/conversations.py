@@ -8,11 +8,12 @@
 Files are recognised by content: a JSON array (ShareGPT's layout), JSON lines, or one record spread over lines
 (a single pretty-printed conversation). Each record's layout is recognised by its keys (or forced with `format=`):
   "sharegpt":  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}  (or role/content turns)
-  "messages":  {"messages": [{"role", "content"}, ...]}   OpenAI chat JSONL, HF ultrachat_200k rows
+  "messages":  {"messages": [{"role", "content"}, ...]}   OpenAI chat JSONL (content a string or text parts),
+                                                           HF ultrachat_200k rows
   "ultrachat": {"data": [user, assistant, user, ...]}     the original UltraChat release
-A bad record (unknown role, empty or non-string content, no assistant turn, roles out of order, malformed
-JSON) is skipped and counted with its file and place ("line 3" in JSONL, "record 3" elsewhere; both count from 1);
-`strict=True` raises `ConversationError` instead.
+A bad record (unknown role, empty or non-string content, a lone surrogate in it, no assistant turn, roles out of
+order, malformed JSON) is skipped and counted with its file and place ("line 3" in JSONL, "record 3" elsewhere;
+both count from 1); `strict=True` raises `ConversationError` instead.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FORMATS = ("sharegpt", "messages", "ultrachat")
 # ShareGPT speaker names -> roles. V3 also names some assistant turns after the product that wrote them.
 ROLES = {
     "system": "system",
+    "developer": "system",  # OpenAI's newer name for it
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -96,9 +98,10 @@ def read_placed_conversations(
     with open(path, "rb") as f:
         data = f.read(max_bytes if max_bytes is not None else -1)
         cut = bool(f.read(1))  # the read stopped inside the file
-    # A read cut at max_bytes may split a multi-byte character: drop the partial one. A byte-order mark is not data.
+    # A read cut inside the file may split a multi-byte character at its end: the decoder keeps that one back (not
+    # final), and only that one. A byte-order mark is not data.
     try:
-        text = data.decode("utf-8-sig", errors="ignore" if max_bytes is not None else "strict")
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not cut)
     except UnicodeDecodeError as e:  # its message names neither the file nor the line
         at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)  # counted past a BOM
         line = data.count(b"\n", 0, at) + 1
@@ -160,9 +163,10 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
         try:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            # An array that never closes was cut off; anything else is broken JSON that we cannot
-            # resynchronise within (an element's end is unknown), so it ends the file as an error.
-            if cut or not text.rstrip().endswith("]"):
+            # An array that never closes was cut off, where the record stops parsing at the text's end; anything
+            # else is broken JSON that we cannot resynchronise within (an element's end is unknown), so it ends the
+            # file as an error.
+            if (cut or not text.rstrip().endswith("]")) and _stops_at_the_end(text, e):
                 yield f"record {index}", _CUT
             else:
                 yield f"record {index}", _MalformedJSON(
@@ -176,6 +180,11 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
 _CUT_TOKEN = re.compile(r'"[^\n]*|[\w.+-]*')
 
 
+def _stops_at_the_end(text: str, error: json.JSONDecodeError) -> bool:
+    """Whether a JSON value failed to parse because `text` ends inside it, not because of a mistake before that."""
+    return bool(_CUT_TOKEN.fullmatch(text[error.pos :].rstrip()))
+
+
 def _json_object(text: str, cut: bool = False) -> list[tuple[str, object]] | None:
     """[("record 1", record)] if `text` (stripped of leading blanks) is one JSON value spread over lines, a single
     pretty-printed record; [("record 1", _CUT)] if `cut` stopped the text inside one; else None: JSON lines.
@@ -185,7 +194,7 @@ def _json_object(text: str, cut: bool = False) -> list[tuple[str, object]] | Non
     except json.JSONDecodeError as e:
         # A value spread over lines and cut by the read stops parsing at the text's end or in its last string,
         # number or literal; any other failure, and any failure of a text not cut, is a bad first JSONL line.
-        if cut and e.lineno > 1 and _CUT_TOKEN.fullmatch(text[e.pos :].rstrip()):
+        if cut and e.lineno > 1 and _stops_at_the_end(text, e):
             return [("record 1", _CUT)]
         return None
     # A one-line value is a JSONL line; `and` spares copying the rest of a big JSONL text.
@@ -224,7 +233,8 @@ def normalize(record: object, format: str | None = None) -> Conversation:
 
     Leading assistant turns are dropped: ShareGPT's split conversations often start mid-dialogue with the
     assistant (6,358 of the 17,671 records of the packaged copy), and there is no prompt to condition on.
-    A trailing user turn is dropped too: nothing learns from it.
+    Trailing user turns are dropped too: nothing learns from them. OpenAI-style content given as a list of text
+    parts is their texts joined by newlines (as the server reads a request's, and vLLM).
     """
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -249,20 +259,25 @@ def normalize(record: object, format: str | None = None) -> Conversation:
             role = turn[keys[0]]
             if not isinstance(role, str) or role not in ROLES:
                 raise ValueError(f"turn {number}: unknown role {role!r}")
-            messages.append({"role": ROLES[role], "content": turn[keys[1]]})
-    if messages and messages[0]["role"] == "system":
-        content = messages[0]["content"]
-        if isinstance(content, str) and not content.strip():  # no system prompt given
-            messages = messages[1:]
-    for number, m in enumerate(messages, start=1):
+            messages.append({"role": ROLES[role], "content": _text(turn[keys[1]])})
+    # An empty system prompt is none given: dropped, the other turns keeping their numbers in the record.
+    dropped = int(bool(messages) and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str)
+                  and not messages[0]["content"].strip())
+    messages = messages[dropped:]
+    for number, m in enumerate(messages, start=1 + dropped):
         if not isinstance(m["content"], str) or not m["content"].strip():
             raise ValueError(f"turn {number}: empty or non-string {m['role']} content: {str(m['content'])[:40]!r}")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: half of a character's \u escape pair
+            raise ValueError(f"turn {number}: {m['role']} content holds a lone surrogate ({e.object[e.start]!r} at "
+                             f"character {e.start}), half of a broken \\u escape pair") from None
 
     system = messages[:1] if messages and messages[0]["role"] == "system" else []
     turns = messages[len(system) :]
     while turns and turns[0]["role"] == "assistant":
         turns = turns[1:]
-    if turns and turns[-1]["role"] == "user":
+    while turns and turns[-1]["role"] == "user":
         turns = turns[:-1]
     if not any(m["role"] == "assistant" for m in turns):
         raise ValueError("no assistant turn after a user turn")
@@ -274,3 +289,12 @@ def normalize(record: object, format: str | None = None) -> Conversation:
 
 
 _KEYS = {"sharegpt": "conversations", "messages": "messages", "ultrachat": "data"}
+
+
+def _text(content: object) -> object:
+    """A turn's content: a list of OpenAI text parts (`[{"type": "text", "text": ...}, ...]`) joined by newlines;
+    anything else as it is, for `normalize` to check."""
+    parts = content if isinstance(content, list) and content else None
+    if parts and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return content

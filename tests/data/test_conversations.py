@@ -49,7 +49,7 @@ def test_formats_normalize_alike(tmp_path):
 def test_leading_assistant_and_trailing_user_turns_are_dropped(tmp_path):
     turns = [{"from": "gpt", "value": "...rest of an answer"}] + [
         {"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]} for m in CHAT[1:]
-    ] + [{"from": "human", "value": "thanks"}]
+    ] + [{"from": "human", "value": "thanks"}, {"from": "human", "value": "bye"}]
     convs, _ = read(write(tmp_path / "a.json", json.dumps([{"conversations": turns}])))
     assert convs == [CHAT[1:]]
 
@@ -65,6 +65,32 @@ def test_an_empty_system_prompt_is_no_system_prompt(tmp_path):
     convs, report = read(write(tmp_path / "b.jsonl", json.dumps({"messages": [*CHAT[1:3], {**CHAT[3], "content": ""},
                                                                               CHAT[4]]}) + "\n"))
     assert convs == [] and "turn 3: empty" in report.skipped[0][1]
+    # Turns keep their numbers in the record when an empty system prompt before them is dropped.
+    _, report = read(write(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "system", "content": ""}, CHAT[1],
+                                                                          {**CHAT[2], "content": ""}]}) + "\n"))
+    assert "turn 3: empty" in report.skipped[0][1]
+
+
+def test_openai_text_parts_and_the_developer_role(tmp_path):
+    """OpenAI chat JSONL may give content as a list of text parts and the system prompt as a developer message."""
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+             CHAT[2]]
+    convs, report = read(write(tmp_path / "parts.jsonl", json.dumps({"messages": parts}) + "\n"))
+    assert convs == [[CHAT[0], {"role": "user", "content": "Hi\nthere"}, CHAT[2]]] and not report.skipped
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, CHAT[2]]
+    _, report = read(write(tmp_path / "image.jsonl", json.dumps({"messages": image}) + "\n"))
+    assert "turn 1: empty or non-string user content" in report.skipped[0][1]
+
+
+def test_a_lone_surrogate_is_a_bad_record(tmp_path):
+    """Half of a \\u escape pair (a cut emoji) parses as JSON but cannot be written as UTF-8 (the dataset's Arrow
+    files failed on it, naming no record): its record is skipped and named."""
+    broken = {"messages": [CHAT[1], {**CHAT[2], "content": "ok \ud83d"}]}
+    text = json.dumps({"messages": CHAT}) + "\n" + json.dumps(broken) + "\n"
+    convs, report = read(write(tmp_path / "cut_emoji.jsonl", text))
+    assert convs == [CHAT] and report.skipped[0][0] == "line 2"
+    assert "turn 2: assistant content holds a lone surrogate ('\\ud83d' at character 3)" in report.skipped[0][1]
 
 BAD_LINES = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role"),
@@ -229,6 +255,30 @@ def test_jsonl_with_a_bad_first_line_stays_jsonl(tmp_path):
         for max_bytes, want in ((None, (2, False)), (len(text) - 5, (1, True))):  # whole; cut inside line 3
             convs, report = read(path, max_bytes=max_bytes)
             assert (len(convs), report.truncated) == want and [p for p, _ in report.skipped] == ["line 1"], first
+
+
+def test_broken_json_in_a_cut_array_is_broken_json(tmp_path):
+    """A read cut inside the file is truncated only where a record stops parsing at the cut: a malformed record
+    before it is reported as such."""
+    good = json.dumps({"messages": CHAT})
+    text = f'[{good}, {{"messages": ::}}, {good}, {good}]'
+    convs, report = read(write(tmp_path / "broken.json", text), max_bytes=len(text) - 20)
+    assert len(convs) == 1 and not report.truncated
+    assert report.skipped[0][0] == "record 2" and "malformed JSON" in report.skipped[0][1]
+
+
+def test_max_bytes_drops_only_the_character_its_cut_splits(tmp_path):
+    """A cut inside a multi-byte character at the read's end drops that character alone; bytes that are not UTF-8
+    elsewhere are an error, as without max_bytes (they were silently dropped)."""
+    line = json.dumps({"messages": [CHAT[1], {**CHAT[2], "content": "café"}]}, ensure_ascii=False) + "\n"
+    data = (line * 2).encode()
+    path = tmp_path / "accents.jsonl"
+    path.write_bytes(data)
+    convs, report = read(path, max_bytes=len(data) - len('"}]}\n') - 1)  # inside the last "é"
+    assert [c[1]["content"] for c in convs] == ["café"] and report.truncated
+    path.write_bytes(data.replace("é".encode(), "é".encode("latin-1"), 1))
+    with pytest.raises(ConversationError, match=r"line 1 \(byte \d+\): not UTF-8"):
+        read(path, max_bytes=len(data) - 5)
 
 
 def test_json_array_cut_by_max_bytes_after_an_inner_bracket(tmp_path):
