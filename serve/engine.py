@@ -274,7 +274,8 @@ class Engine:
     def add_request(
         self, prompt: list[int], params: SamplingParams, max_new_tokens: int, stop_ids=frozenset()
     ) -> Request:
-        """Queues a request. Raises ValueError when it can never run (empty, or longer than the context)."""
+        """Queues a request. Raises ValueError when it can never run: empty, longer than the context, or holding a
+        token the target cannot embed (whose lookup inside a step would end every running request)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if max_new_tokens <= 0:
@@ -283,6 +284,9 @@ class Engine:
             raise PromptTooLong(
                 f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
             )
+        vocab = self.target.config.vocab_size
+        if (bad := next((i for i in prompt if not 0 <= i < vocab), None)) is not None:
+            raise ValueError(f"token id {bad} of the prompt is not in the target's vocabulary [0, {vocab})")
         request = Request(list(prompt), params, max_new_tokens, frozenset(stop_ids))
         request.generator = make_generator(params, self.device)
         self.waiting.append(request)

@@ -710,6 +710,21 @@ def test_prompt_longer_than_context_is_refused(target):
         engine.add_request(list(range(300)), GREEDY, max_new_tokens=4)
 
 
+def test_a_prompt_token_the_target_cannot_embed_is_refused_alone(target):
+    """A token id past the target's vocabulary (a tokenizer with tokens the checkpoint lacks) is refused when queued:
+    in a step its embedding lookup failed, and with it every request of the batch."""
+    engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
+    vocab = target.config.vocab_size
+    running = engine.add_request([1, 2, 3], GREEDY, max_new_tokens=4)
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=re.escape(f"token id {bad} of the prompt is not in the target's "
+                                                       f"vocabulary [0, {vocab})")):
+            engine.add_request([1, bad, 2], GREEDY, max_new_tokens=4)
+    while engine.has_work():
+        engine.step()
+    assert len(running.output) == 4 and engine.pool.allocator.num_free == 64
+
+
 @pytest.mark.parametrize("config, words", [
     (EngineConfig(tree_by_batch=((1, TreeShape(2, 40, 8)),), block_size=4, num_blocks=64),
      "tree 2,40,8: topk 40 is more than the head's draft vocabulary of 32 tokens"),
