@@ -33,6 +33,9 @@ class TextStream:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] = (), prompt: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        # Per stop string: its KMP failure table, and how much of it the text's end matches (`_held`).
+        self.fallback = [_failure(s) for s in self.stop]
+        self.matched = [0] * len(self.stop)
         self.ids = list(prompt[-PROMPT_CONTEXT:])
         self.window = 0  # ids[window:shown] give the context the next piece is decoded after
         self.shown = len(self.ids)  # ids decoded into `text` (or the prompt's, shown by the client)
@@ -70,6 +73,14 @@ class TextStream:
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True
+            return
+        for j, (stop, fallback) in enumerate(zip(self.stop, self.fallback, strict=True)):
+            matched = self.matched[j]
+            for c in piece:
+                while matched and stop[matched] != c:
+                    matched = fallback[matched - 1]
+                matched += stop[matched] == c
+            self.matched[j] = matched  # below len(stop): a whole match is a hit, found above
 
     def _release(self, final: bool) -> str:
         end = len(self.text)
@@ -80,8 +91,17 @@ class TextStream:
         return piece
 
     def _held(self) -> int:
-        """Length of the longest end of `text` that may begin a stop string (not shown until resolved)."""
-        for k in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in self.stop):
-                return k
-        return 0
+        """Length of the longest end of `text` that may begin a stop string (not shown until resolved): kept as each
+        piece arrives (`_append`), so a token costs its characters, not the length of the stop strings."""
+        return max(self.matched, default=0)
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's table: failure[i] = the length of the longest proper prefix of s[: i + 1] that also ends it."""
+    failure, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = failure[k - 1]
+        k += s[i] == s[k]
+        failure[i] = k
+    return failure
