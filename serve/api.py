@@ -5,7 +5,9 @@
 
 Endpoints:
   POST /v1/chat/completions   model, messages, max_tokens | max_completion_tokens, temperature, top_p, top_k,
-                              seed, stop, stream, stream_options.include_usage, n (1 only), user (ignored)
+                              seed, stop, stream, stream_options.include_usage, n (1 only); user,
+                              safety_identifier, prompt_cache_key, metadata, service_tier and
+                              stream_options.include_obfuscation are ignored
   POST /v1/completions        the same with `prompt` instead of `messages`: a string or token ids, or a list of
                               one of them; max_tokens defaults to 16 there, as OpenAI's does
   GET  /v1/models, /v1/models/{model}, /metrics (Prometheus; see metrics.py)
@@ -13,9 +15,10 @@ Endpoints:
                               or when the engine thread is not running
 
 OpenAI's options that this server does not implement (logprobs, top_logprobs, frequency_penalty, presence_penalty,
-logit_bias; response_format, tools and store of chats; echo, best_of and suffix of completions) are accepted at the
-values that ask for nothing (false, 0, {}, [], {"type": "text"}, 1 for best_of, null), else refused with a 400 whose
-code is "unsupported_parameter"; with no tools, tool_choice "none" or "auto" and parallel_tool_calls ask for nothing.
+logit_bias; response_format, tools, store, reasoning_effort, audio and prediction of chats; echo, best_of and suffix of
+completions) are accepted at the values that ask for nothing (false, 0, {}, [], {"type": "text"}, 1 for best_of,
+null), else refused with a 400 whose code is "unsupported_parameter"; with no tools, tool_choice "none" or "auto" and
+parallel_tool_calls ask for nothing, and modalities ["text"] asks for what is written anyway.
 A "developer" message is a system message. A message's `name` goes to the chat template (most ignore it); the fields
 the openai client writes back of an answer (`message.model_dump()`: refusal, tool_calls, ...) are taken at null.
 
@@ -122,12 +125,13 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no chunk carries OpenAI's padding field either way: ignored
 
 
 # OpenAI options this server does not implement. Clients send them at the value that asks for nothing (false, 0, {}),
 # which is accepted; any other value is a 400 naming the option, with OpenAI's code "unsupported_parameter".
 _UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
-                "tools", "store", "echo", "best_of", "suffix")
+                "tools", "store", "reasoning_effort", "audio", "prediction", "echo", "best_of", "suffix")
 
 
 class _Generation(_Strict):
@@ -203,6 +207,16 @@ class ChatCompletionRequest(_Generation):
     store: bool = False
     tool_choice: Literal["none", "auto"] | None = None  # with no tools, either answers in text
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # _UNSUPPORTED
+    audio: dict | None = None  # _UNSUPPORTED
+    prediction: dict | None = None  # _UNSUPPORTED
+    modalities: list[Literal["text"]] | None = None  # text, all this server writes
+    # What changes nothing generated here, ignored as `user` is: OpenAI's newer end-user id, a cache-routing hint (a
+    # prompt's KV is not kept across requests), stored completions' tags (store is false) and the billing tier.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @property
     def new_tokens(self) -> int | None:

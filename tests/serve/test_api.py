@@ -11,6 +11,7 @@ import copy
 import functools
 import itertools
 import json
+import random
 import socket
 import tempfile
 import threading
@@ -598,6 +599,27 @@ def test_text_stream_never_breaks_characters():
 
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_text_stream_holds_back_only_what_may_begin_a_stop_string(seed):
+    """Token by token, the text shown is the text so far up to the first stop string, less its longest end that
+    begins one (a brute-force reference; stop strings that overlap themselves, as KMP's fallbacks must handle)."""
+    tok = tokenizer()
+    rng = random.Random(seed)
+    letters = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
+    stops = rng.sample(["abab", "aab", "bba", "aaaa", "abaab", "b" * 9], 2)
+    chars = "".join(rng.choice("ab") for _ in range(40))
+    stream, shown = TextStream(tok, stop=stops), ""
+    for t, c in enumerate(chars, start=1):
+        shown += stream.push([letters[c]])
+        text = chars[:t]
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            assert shown + stream.finish() == text[: min(hits)] and stream.stopped, (stops, text)
+            break
+        held = max((k for k in range(1, len(text) + 1) for s in stops if k < len(s) and s.startswith(text[-k:])),
+                   default=0)
+        assert shown == text[: len(text) - held], (stops, text)
+
 
 @functools.cache
 def sentencepiece_style_tokenizer():
@@ -674,14 +696,30 @@ def test_a_message_name_reaches_the_template():
 
 def test_tool_and_format_options_that_ask_for_nothing_are_accepted(server):
     neutral = {"response_format": {"type": "text"}, "tools": [], "store": False, "tool_choice": "none",
-               "parallel_tool_calls": False}
+               "parallel_tool_calls": False, "reasoning_effort": None, "audio": None, "prediction": None,
+               "modalities": ["text"]}
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 2,
                                                               **neutral})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     for option, value in [("response_format", {"type": "json_object"}), ("store", True),
-                          ("tools", [{"type": "function", "function": {"name": "f"}}])]:
+                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("reasoning_effort", "high"),
+                          ("audio", {"voice": "alloy", "format": "wav"}), ("prediction", {"type": "content"})]:
         r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, option: value})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+
+
+def test_hints_that_change_nothing_generated_are_ignored(server):
+    """OpenAI's newer end-user id, cache key, stored completions' tags, billing tier and stream obfuscation switch
+    (which the openai client sends) are taken and ignored, as `user` is: the answer is the one without them."""
+    plain = {"model": MODEL, "messages": QUESTION, "max_tokens": 3, "temperature": 0}
+    hints = {"safety_identifier": "u1", "prompt_cache_key": "k", "metadata": {"run": "a"}, "service_tier": "auto"}
+    answers = [httpx.post(f"{server.url}/v1/chat/completions", json=body) for body in (plain, plain | hints)]
+    assert [r.status_code for r in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["choices"] == answers[1].json()["choices"]
+    stream = server.client().chat.completions.create(**plain, stream=True, stream_options={
+        "include_usage": True, "include_obfuscation": False})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == (
+        answers[0].json()["choices"][0]["message"]["content"])
 
 
 def test_a_wrong_method_names_the_allowed_one(server):
