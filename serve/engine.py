@@ -285,7 +285,8 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this server's context holds {self.context_limit - self.reserve}"
             )
         vocab = self.target.config.vocab_size
-        if (bad := next((i for i in prompt if not 0 <= i < vocab), None)) is not None:
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = next(i for i in prompt if not 0 <= i < vocab)
             raise ValueError(f"token id {bad} of the prompt is not in the target's vocabulary [0, {vocab})")
         request = Request(list(prompt), params, max_new_tokens, frozenset(stop_ids))
         request.generator = make_generator(params, self.device)
