@@ -294,7 +294,7 @@ _KEYS = {"sharegpt": "conversations", "messages": "messages", "ultrachat": "data
 def _text(content: object) -> object:
     """A turn's content: a list of OpenAI text parts (`[{"type": "text", "text": ...}, ...]`) joined by newlines;
     anything else as it is, for `normalize` to check."""
-    parts = content if isinstance(content, list) and content else None
-    if parts and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
-        return "\n".join(p["text"] for p in parts)
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
     return content

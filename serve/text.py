@@ -33,7 +33,7 @@ class TextStream:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] = (), prompt: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        # Per stop string: its KMP failure table, and how much of it the text's end matches (`_held`).
+        # Per stop string: its KMP failure table, and how much of it the text's end matches (`_append`, `_held`).
         self.fallback = [_failure(s) for s in self.stop]
         self.matched = [0] * len(self.stop)
         self.ids = list(prompt[-PROMPT_CONTEXT:])
@@ -67,20 +67,23 @@ class TextStream:
         return self._release(final=True)
 
     def _append(self, piece: str) -> None:
-        start = max(self.sent, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        """Adds `piece` to `text`, which ends before the first stop string to appear whole (by its start), if any."""
+        end = len(self.text)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-            return
+        cut = len(self.text)
         for j, (stop, fallback) in enumerate(zip(self.stop, self.fallback, strict=True)):
             matched = self.matched[j]
-            for c in piece:
+            for at, c in enumerate(piece, start=end + 1):  # `at`: the text's length through c
                 while matched and stop[matched] != c:
                     matched = fallback[matched - 1]
                 matched += stop[matched] == c
-            self.matched[j] = matched  # below len(stop): a whole match is a hit, found above
+                if matched == len(stop):  # this stop's first whole appearance
+                    cut = min(cut, at - len(stop))
+                    break
+            self.matched[j] = matched
+        if cut < len(self.text):
+            self.text = self.text[:cut]
+            self.stopped = True
 
     def _release(self, final: bool) -> str:
         end = len(self.text)
@@ -92,7 +95,8 @@ class TextStream:
 
     def _held(self) -> int:
         """Length of the longest end of `text` that may begin a stop string (not shown until resolved): kept as each
-        piece arrives (`_append`), so a token costs its characters, not the length of the stop strings."""
+        piece arrives (`_append`), so a token costs its characters, not the length of the stop strings. Not called
+        once a stop string has appeared."""
         return max(self.matched, default=0)
 
 
