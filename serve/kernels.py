@@ -362,7 +362,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     N_out = N // 2 if silu_mul_output else N
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
-    block_n, block_k, num_warps = launch_config(N, K)
+    block_n, block_k, num_warps = launch_config(N, K, float8=quantized is not None)
     block_n //= 2 if silu_mul_output else 1  # a program's outputs: it reads a gate row and an up row for each
     norm_weight = norm[0] if norm is not None else None
     _fused_linear_kernel[(triton.cdiv(N_out, block_n),)](
@@ -771,11 +771,15 @@ def _e4m3_unscale(dtype: tl.constexpr):
     return 256.0 if dtype == tl.float16 else 72057594037927936.0
 
 
-def launch_config(N: int, K: int) -> tuple[int, int, int]:
+def launch_config(N: int, K: int, float8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight [N, K], from sweeps at Llama-3.1-8B's shapes on an H200
     (docs/perf.md): short chunks of K (and fewer warps) for the wide gate/up and lm_head, whose thousands of programs
     already keep enough loads in flight; for the narrow projections of a long K, 4 weight rows a program in long
-    chunks, so more programs share the weight (q/k/v 14.5 -> 12.7 µs, an 8B head's float8 one 20.0 -> 15.9)."""
+    chunks, so more programs share the weight (q/k/v 14.5 -> 12.7 µs). A float8 copy's partial sums take a sixteenth
+    of the registers (`_fused_linear_kernel`), so its programs hold chunks twice as long, or twice as many rows (an 8B
+    head's gate/up 38.1 -> 31.8 µs, down 18.7 -> 16.7: forty-third entry)."""
+    if float8 and K >= 4096:
+        return (16, 512, 4) if N >= 16384 else (8, 2048, 8)
     if N >= 16384:
         return 16, 256, 4
     return (4, 2048, 4) if K >= 4096 else (16, 1024, 8)
@@ -787,8 +791,11 @@ def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr,
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row x [K] against BLOCK_N rows of w [N, K] (with SILU_MUL, w is [2N, K]: gate rows, then up rows, and the
-    program reads BLOCK_N of each): products summed over K at the end ([BLOCK_N, BLOCK_K] fp32 partial sums, so
-    each load's reduction does not wait on the last).
+    program reads BLOCK_N of each): products summed over K at the end (fp32 partial sums [BLOCK_N, BLOCK_K / R], so
+    each load's reduction does not wait on the last). The products of one thread's 16-byte load of weights (16 float8
+    or 8 bf16/fp16 ones) are summed in registers first, R at a time: the partial sums then take an R-th of the
+    registers (an 8B head's float8 q/k/v 126 -> 72 a thread, its down 117 -> 48), so an SM holds more programs and
+    more weight bytes are in flight (docs/perf.md, forty-second and forty-third entries).
 
     The norm is folded out of the sum: y = rstd * sum(w * x * norm_w) (norm_w 1 without NORM_WEIGHT), its mean
     square gathered in the same loop, so the weight loads start at once. (The reference rounds the normed input to
@@ -806,11 +813,12 @@ def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr,
     w = tl.load(rows + k[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
     w_up = tl.load(rows + N * K + k[None, :], mask=ok & SILU_MUL, other=0.0)
     follow(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SILU_MUL only
+    R: tl.constexpr = 16 if HAS_SCALE else 8
+    acc = tl.zeros([BLOCK_N, BLOCK_K // R], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // R], tl.float32)  # SILU_MUL only
     squares = tl.zeros([BLOCK_K], tl.float32)  # HAS_NORM only
     acc, acc_up, squares = _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, k, K, HAS_NORM,
-                                         NORM_WEIGHT, SILU_MUL)
+                                         NORM_WEIGHT, SILU_MUL, R)
     for start in range(BLOCK_K, K, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < K)[None, :]
@@ -818,7 +826,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr,
         if SILU_MUL:
             w_up = tl.load(rows + N * K + kk[None, :], mask=ok, other=0.0)
         acc, acc_up, squares = _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, HAS_NORM,
-                                             NORM_WEIGHT, SILU_MUL)
+                                             NORM_WEIGHT, SILU_MUL, R)
     y = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_SCALE:
         y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
@@ -843,7 +851,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr,
 
 @jit
 def _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, HAS_NORM: tl.constexpr,
-                  NORM_WEIGHT: tl.constexpr, SILU_MUL: tl.constexpr):
+                  NORM_WEIGHT: tl.constexpr, SILU_MUL: tl.constexpr, R: tl.constexpr):
     """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]
     (float8 ones converted by the conversion instructions, here faster than `_e4m3_values`: docs/perf.md)."""
     k_ok = kk < K
@@ -852,10 +860,16 @@ def _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, HAS_N
         squares += a * a
         if NORM_WEIGHT:
             a *= tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    acc += w.to(tl.float32) * a[None, :]
+    acc += _partial_sums(w.to(tl.float32) * a[None, :], R)
     if SILU_MUL:
-        acc_up += w_up.to(tl.float32) * a[None, :]
+        acc_up += _partial_sums(w_up.to(tl.float32) * a[None, :], R)
     return acc, acc_up, squares
+
+
+@jit
+def _partial_sums(products, R: tl.constexpr):
+    """products [BLOCK_N, BLOCK_K] -> the sums of each R adjacent ones [BLOCK_N, BLOCK_K / R]."""
+    return tl.sum(tl.reshape(products, [products.shape[0], products.shape[1] // R, R]), 2)
 
 
 TOP_CHUNK = 2048  # vocabulary entries per program of `top_log_probs`' first kernel

@@ -708,9 +708,10 @@ def test_fused_linear_interpreter(interpreter, dtype, case):
 
 LINEAR_FP8_CPU = [(1, 40, 300, True, False, True, True), (1, 66, 1100, False, True, True, False),
                   (3, 40, 96, True, False, False, True), (3, 512, 32768, False, False, True, "donated"),
-                  (2, 256, 65536, False, True, False, False), (2, 16384, 1024, "unit", False, False, False)]
+                  (2, 256, 65536, False, True, False, False), (2, 16384, 1024, "unit", False, False, False),
+                  (1, 24, 4100, True, True, False, True), (1, 40, 4096, "unit", False, True, "donated")]
 # past one row: a small weight (the rounded weight read); 2^24 entries (the copy read, K over 4 programs, or unsplit
-# over 512 tiles with a folded norm, as an 8B head's lm_head)
+# over 512 tiles with a folded norm, as an 8B head's lm_head); then one row of a long K, in float8's longer chunks
 
 
 @pytest.mark.parametrize("case", LINEAR_FP8_CPU, ids=_linear_id)
