@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -149,6 +150,8 @@ class DataConfig(dataset.DataConfig):
                                  "(num_batches, batch_size, seq_len) or use data.path")
         if not 0 <= self.eval_fraction < 1 or min(self.batch_size, self.bucket, self.pad_multiple) < 1:
             raise ValueError("need 0 <= eval_fraction < 1 and batch_size, bucket, pad_multiple >= 1")
+        if self.max_conversations is not None and self.max_conversations < 1:
+            raise ValueError(f"need max_conversations >= 1 (or unset), got {self.max_conversations}")
         self.sources()  # validates `path`
 
     def sources(self) -> list[Source]:
@@ -178,8 +181,8 @@ class OptimConfig:
             raise ValueError("need total_steps >= 1, grad_accum >= 1 and 0 <= warmup_steps <= total_steps")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if min(self.lr, self.min_lr, self.weight_decay, self.grad_clip) < 0:
-            raise ValueError("need lr, min_lr, weight_decay and grad_clip >= 0")
+        if not all(math.isfinite(v) and v >= 0 for v in (self.lr, self.min_lr, self.weight_decay, self.grad_clip)):
+            raise ValueError("need lr, min_lr, weight_decay and grad_clip finite and >= 0")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr} exceeds lr {self.lr}: the cosine would climb, not decay")
 
@@ -190,8 +193,8 @@ class TTTConfig:
     decay: float = 0.8  # step i's loss weighs decay**i
 
     def __post_init__(self):
-        if self.steps < 1 or not self.decay > 0:
-            raise ValueError(f"need steps >= 1 and decay > 0, got steps {self.steps}, decay {self.decay}")
+        if self.steps < 1 or not 0 < self.decay < math.inf:
+            raise ValueError(f"need steps >= 1 and a finite decay > 0, got steps {self.steps}, decay {self.decay}")
 
 
 @dataclass(frozen=True)
@@ -202,8 +205,8 @@ class CheckpointConfig:
     stop_after: int | None = None  # exit after this step without exporting (a preemption drill)
 
     def __post_init__(self):
-        if min(self.every, self.keep_last, 1 if self.stop_after is None else self.stop_after) < 0:
-            raise ValueError("need every, keep_last and stop_after >= 0")
+        if min(self.every, self.keep_last) < 0 or (self.stop_after is not None and self.stop_after < 1):
+            raise ValueError("need every and keep_last >= 0, and stop_after >= 1 (or unset)")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -30,6 +31,17 @@ def build_optimizer(recipe: TrainRecipe, model: nn.Module):
         optimizer, lambda step: lr_factor(step, o.warmup_steps, o.total_steps, min_ratio)
     )
     return optimizer, schedule
+
+
+def resume_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Sets the lr of `schedule`'s optimizer to the schedule's own at optimizer step `step`. A checkpoint's optimizer
+    holds the lr of the schedule it was trained under, and its saved schedule state leaves the lambda out, so a run
+    resumed under another shape (a finished run trained further with a larger optim.total_steps) would take its first
+    step at the old lr: 0 after a cosine down to min_lr 0."""
+    schedule.last_epoch = step - 1
+    with warnings.catch_warnings():  # the step here sets the lr; no optimizer step was skipped
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+        schedule.step()
 
 
 def deepspeed_config(recipe: TrainRecipe, micro_batch_size: int, bf16: bool) -> dict[str, Any]:

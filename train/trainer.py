@@ -61,7 +61,7 @@ from .batches import Batch, micro_batches
 from .config import ModelConfig, TrainRecipe
 from .data import TrainData, check_fits_context, data_inputs, load_data, load_rows
 from .metrics import MetricsLog
-from .optim import build_optimizer, deepspeed_config
+from .optim import build_optimizer, deepspeed_config, resume_schedule
 from .target import load_target, target_config_of, target_states
 from .ttt import TTTOutput, acceptance_length, training_kernels, ttt_loss
 
@@ -348,6 +348,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found:
         state = checkpoint.load(engine, found[-1])
         step, position = state["step"], state["position"]
+        resume_schedule(schedule, step)
         if rank == 0:
             tqdm.write(f"train-eagle: resuming from {found[-1]} (step {step} of {recipe.optim.total_steps})")
     if rank == 0:
@@ -417,7 +418,9 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
             every = recipe.logging.eval_every
             if eval_batches is not None and every and step % every == 0 and step < recipe.optim.total_steps:
                 run_eval()  # even when stopping: a resumed run does not redo this step's evaluation
-            saved = bool(recipe.checkpoint.every) and step % recipe.checkpoint.every == 0
+            # The last step too: a final evaluation or export that fails is redone on rerun without training again.
+            every = recipe.checkpoint.every
+            saved = bool(every) and (step % every == 0 or step == recipe.optim.total_steps)
             if saved or signalled:
                 records = {"data_order": data_order, "head": head_record, "optimizer": optimizer_settings,
                            "rows": data.rows_record}

@@ -46,7 +46,9 @@ def test_set_overrides():
     (["checkpoint.every=true"], ["checkpoint", "'every'"]),
     (["ttt.steps=0"], ["ttt", "steps >= 1"]),
     (["ttt.decay=0"], ["ttt", "decay > 0"]),
-    (["checkpoint.every=-1"], ["checkpoint", "every, keep_last and stop_after >= 0"]),
+    (["checkpoint.every=-1"], ["checkpoint", "every and keep_last >= 0"]),
+    (["checkpoint.stop_after=0"], ["checkpoint", "stop_after >= 1 (or unset)"]),
+    (["ttt.decay=.inf"], ["ttt", "a finite decay > 0"]),
     (["logging.eval_every=-5"], ["logging", "eval_every >= 0, got -5"]),
     (["deepspeed.zero_stage=4"], ["deepspeed", "zero_stage"]),
     (["optim.lr"], ["--set", "optim.lr", "KEY=VALUE"]),
@@ -151,7 +153,10 @@ def test_a_directory_named_like_a_recipe_is_not_one(tmp_path, monkeypatch):
     ("ci-tiny", ["model.draft_vocab_size=0"], ["model", "draft_vocab_size must be >= 1"]),
     ("ci-tiny", ["data.synthetic.batch_size=0"], ["data.synthetic", "need num_batches, batch_size, seq_len >= 1"]),
     ("ci-tiny", ["optim.betas=[0.9]"], ["optim", "betas must be two numbers in [0, 1)"]),
-    ("ci-tiny", ["optim.lr=-1"], ["optim", "need lr, min_lr, weight_decay and grad_clip >= 0"]),
+    ("ci-tiny", ["optim.lr=-1"], ["optim", "need lr, min_lr, weight_decay and grad_clip finite and >= 0"]),
+    ("ci-tiny", ["optim.lr=.nan"], ["optim", "need lr, min_lr, weight_decay and grad_clip finite and >= 0"]),
+    ("ci-tiny", ["optim.grad_clip=.inf"], ["optim", "need lr, min_lr, weight_decay and grad_clip finite"]),
+    ("quickstart", ["data.max_conversations=0"], ["data", "need max_conversations >= 1 (or unset), got 0"]),
     ("ci-tiny", ["data.synthetic.seq_len=4097"], ["data.synthetic.seq_len 4097 exceeds the target's context of "
                                                   "4096 tokens"]),
     # Paths and the context are checked before the target loads (its config alone is read).

@@ -75,6 +75,22 @@ def test_resume_is_exact(full_run, tmp_path, monkeypatch):
         assert torch.equal(want[name], got[name]), name
 
 
+def test_a_finished_run_trained_further_takes_the_recipes_lr_from_its_first_step(full_run, tmp_path):
+    """A finished run (cosine down to min_lr 0) resumed with a larger optim.total_steps: each new step's lr is the
+    recipe's schedule's (the checkpoint's optimizer held the old schedule's 0). The last step, 11, is not a multiple
+    of checkpoint.every but is checkpointed all the same, so a failed export is redone without training again."""
+    recipe, run = full_run
+    shutil.copytree(run, tmp_path, dirs_exist_ok=True)
+    longer = load_recipe("ci-tiny", QUIET + ["optim.total_steps=11"])
+    assert train(longer, tmp_path) == tmp_path / "final"
+    o, min_ratio = longer.optim, longer.optim.min_lr / longer.optim.lr
+    lrs = {r["step"]: r["lr"] for r in metrics(tmp_path) if r.get("split") == "train"}
+    assert lr_factor(8, o.warmup_steps, recipe.optim.total_steps, min_ratio) == 0  # the old schedule's at step 9
+    for step in (9, 10, 11):
+        assert lrs[step] == pytest.approx(o.lr * lr_factor(step - 1, o.warmup_steps, o.total_steps, min_ratio)), step
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")][-2:] == ["step_10", "step_11"]
+
+
 def test_zero3_matches_zero1(full_run, tmp_path):
     """ZeRO-3, stopped after step 3 and resumed from its step-2 checkpoint: the losses and accuracies of the
     uninterrupted ZeRO-1 run, and its head, gathered whole for export."""
