@@ -123,8 +123,7 @@ class RopeConfig:
         params = {}
         for key in ("rope_parameters", "rope_scaling"):
             params.update(mapping_field(cfg, key, source))
-        theta = cfg.get("rope_theta", params.pop("rope_theta", 10000.0))
-        params.pop("rope_theta", None)
+        theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))  # rope_parameters' first, as transformers 5
         rope_type = params.pop("rope_type", params.pop("type", "default"))
         known = {f.name for f in dataclasses.fields(cls)}
         values = {"theta": theta, "type": rope_type, **{k: v for k, v in params.items() if k in known}}
@@ -254,10 +253,8 @@ class TargetConfig:
         bias = cfg.get("attention_bias", False)
         values.update(qkv_bias=bias, o_bias=bias)
         values.update(_FAMILIES[model_type])
-        # Within a sliding window attention is plain causal attention: cap the context there. Qwen2/Qwen3 configs
-        # carry a window they use only with use_sliding_window (default false, as transformers reads them); Mistral's
-        # has no such switch.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        # Within a sliding window attention is plain causal attention: cap the context there, where a layer slides.
+        window = _sliding_window(cfg, model_type)
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"{source}: field 'sliding_window' should be a positive integer or null, got {window!r}")
         if window is not None and isinstance(values.get("max_position_embeddings"), int):
@@ -267,3 +264,20 @@ class TargetConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> TargetConfig:
         return cls.from_hf(read_json(path), source=str(path))
+
+
+
+def _sliding_window(cfg: Mapping[str, Any], model_type: str) -> Any:
+    """The window of a config's sliding layers, or None where no layer slides, as transformers 5 reads the config:
+    Mistral slides every layer (a window of 4096 where the field is absent; no switch); Qwen2/Qwen3 only with
+    use_sliding_window, and then the layers `layer_types` marks, by default those from max_window_layers (28) on;
+    Llama never."""
+    if model_type == "mistral":
+        return cfg.get("sliding_window", 4096)
+    if model_type not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window", False):
+        return None
+    layers = cfg.get("num_hidden_layers")
+    types = cfg.get("layer_types") or (
+        ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(layers)]
+        if isinstance(layers, int) else [])
+    return cfg.get("sliding_window", 4096) if "sliding_attention" in types else None

@@ -31,17 +31,45 @@ def test_parity_with_transformers(family, hf_checkpoint):
     assert (logits - ref.logits).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("family, switch, context", [("qwen2", {}, 4096), ("qwen3", {"use_sliding_window": True}, 1024),
-                                                     ("mistral", {}, 1024)])
-def test_sliding_window_caps_the_context_only_where_used(family, switch, context):
-    """As transformers reads them: Qwen's window applies only with use_sliding_window; Mistral's always."""
+@pytest.mark.parametrize("family, fields, context", [
+    ("qwen2", {"sliding_window": 1024}, 8192),  # no use_sliding_window
+    ("qwen3", {"sliding_window": 1024, "use_sliding_window": True}, 8192),  # 6 layers: none from max_window_layers 28
+    ("qwen3", {"sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 2}, 1024),
+    ("qwen2", {"sliding_window": 1024, "use_sliding_window": True, "layer_types": ["full_attention"] * 6}, 8192),
+    ("mistral", {"sliding_window": 1024, "use_sliding_window": False}, 1024),  # no switch
+    ("mistral", {"sliding_window": 1024}, 1024),
+    ("mistral", {"sliding_window": None}, 8192),
+    ("llama", {"sliding_window": 1024, "use_sliding_window": True}, 8192),
+])
+def test_sliding_window_caps_the_context_only_where_a_layer_slides(family, fields, context):
+    """As transformers reads them: Qwen's window applies only with use_sliding_window, and only to the layers its
+    layer_types (by default max_window_layers) marks; Mistral's always; Llama's never."""
     from transformers import AutoConfig
 
-    values = hf_config_dict(family, sliding_window=1024, max_position_embeddings=4096, **switch)
+    values = hf_config_dict(family, max_position_embeddings=8192, **fields)
     cfg = TargetConfig.from_hf(values, source="config.json")
     assert cfg.max_position_embeddings == context
-    uses = AutoConfig.for_model(**values).sliding_window is not None
-    assert uses == (context == 1024)
+    hf = AutoConfig.for_model(**values)
+    slides = (family != "llama" and hf.sliding_window is not None
+              and "sliding_attention" in (getattr(hf, "layer_types", None) or ["sliding_attention"]))
+    assert slides == (context == 1024)
+
+
+def test_a_mistral_config_without_a_window_field_slides_at_transformers_default():
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in hf_config_dict("mistral", max_position_embeddings=8192).items() if k != "sliding_window"}
+    assert AutoConfig.for_model(**values).sliding_window == 4096
+    assert TargetConfig.from_hf(values, source="config.json").max_position_embeddings == 4096
+
+
+def test_rope_parameters_theta_wins_over_a_top_level_one_as_in_transformers():
+    from transformers import AutoConfig
+
+    values = hf_config_dict("llama", rope_theta=10000.0, rope_scaling=None,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert AutoConfig.for_model(**values).rope_parameters["rope_theta"] == 1e6
+    assert TargetConfig.from_hf(values, source="config.json").rope.theta == 1e6
 
 
 @pytest.mark.parametrize("family, fields, words", [
