@@ -36,7 +36,8 @@ Every response, and the last chunk of a stream, carries an extension field on sp
     "eyas": {"verify_steps": 12, "accepted_tokens": 25, "acceptance_length": 3.08, "accepted_per_step": [3, 1, ...]}
 
 verify_steps: target verification passes of this request; accepted_tokens: draft tokens they accepted
-(accepted_per_step: how many at each verification, for per-position acceptance rates);
+(accepted_per_step: how many at each verification, for per-position acceptance rates), whole where a stop token,
+max_tokens or a stop string cut the output short of them: they measure the draft, not the text;
 acceptance_length: tokens per verification, (accepted_tokens + verify_steps) / verify_steps, the bonus token
 counted, or null with no verification (speculation off, or the answer ended at its first token).
 
@@ -140,7 +141,8 @@ class _Generation(_Strict):
     temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    # int64: torch takes seeds modulo 2**64, so a wider range would give two seeds (-1 and 2**64 - 1) one stream.
+    # int64: torch takes seeds modulo 2**64, so a wider range would give two seeds (-1 and 2**64 - 1) one stream
+    # (a CPU generator keeps only the low 32 bits: there seeds 2**32 apart share one).
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     # `_stop_strings` turns every form, the default None included, into a list of strings.
     stop: str | list[str] | None = Field(None, validate_default=True, description="up to 4 non-empty stop strings")
