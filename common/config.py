@@ -266,7 +266,6 @@ class TargetConfig:
         return cls.from_hf(read_json(path), source=str(path))
 
 
-
 def _sliding_window(cfg: Mapping[str, Any], model_type: str) -> Any:
     """The window of a config's sliding layers, or None where no layer slides, as transformers 5 reads the config:
     Mistral slides every layer (a window of 4096 where the field is absent; no switch); Qwen2/Qwen3 only with
@@ -276,8 +275,7 @@ def _sliding_window(cfg: Mapping[str, Any], model_type: str) -> Any:
         return cfg.get("sliding_window", 4096)
     if model_type not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window", False):
         return None
-    layers = cfg.get("num_hidden_layers")
-    types = cfg.get("layer_types") or (
-        ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(layers)]
-        if isinstance(layers, int) else [])
-    return cfg.get("sliding_window", 4096) if "sliding_attention" in types else None
+    types, layers = cfg.get("layer_types"), cfg.get("num_hidden_layers")  # a bad layer count: build_dataclass names it
+    slides = "sliding_attention" in types if types else isinstance(layers, int) and layers > cfg.get(
+        "max_window_layers", 28)
+    return cfg.get("sliding_window", 4096) if slides else None

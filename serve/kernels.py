@@ -853,7 +853,8 @@ def _fused_linear_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, bias_ptr, norm_w_ptr,
 def _linear_chunk(x_ptr, norm_w_ptr, w, w_up, acc, acc_up, squares, kk, K, HAS_NORM: tl.constexpr,
                   NORM_WEIGHT: tl.constexpr, SILU_MUL: tl.constexpr, R: tl.constexpr):
     """`_fused_linear_kernel`'s step over the input chunk kk [BLOCK_K], its weights w (w_up) [BLOCK_N, BLOCK_K]
-    (float8 ones converted by the conversion instructions, here faster than `_e4m3_values`: docs/perf.md)."""
+    (float8 ones converted by the conversion instructions, here faster than `_e4m3_values`: docs/perf.md), into the
+    partial sums acc (acc_up) [BLOCK_N, BLOCK_K / R]."""
     k_ok = kk < K
     a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
     if HAS_NORM:

@@ -419,8 +419,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
             if eval_batches is not None and every and step % every == 0 and step < recipe.optim.total_steps:
                 run_eval()  # even when stopping: a resumed run does not redo this step's evaluation
             # The last step too: a final evaluation or export that fails is redone on rerun without training again.
-            every = recipe.checkpoint.every
-            saved = bool(every) and (step % every == 0 or step == recipe.optim.total_steps)
+            save_every = recipe.checkpoint.every
+            saved = bool(save_every) and (step % save_every == 0 or step == recipe.optim.total_steps)
             if saved or signalled:
                 records = {"data_order": data_order, "head": head_record, "optimizer": optimizer_settings,
                            "rows": data.rows_record}
