@@ -23,6 +23,7 @@ llama_eagle3.py).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -134,7 +135,11 @@ class HotVocab:
     @classmethod
     def load_token_map(cls, path: str | Path, vocab_size: int) -> HotVocab:
         """Reads an FR-Spec token map file, a list of ids or a 1-D integer tensor."""
-        token_map = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            token_map = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # JSON, numpy, a truncated file...
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HotVocabError(f"token map {path}: not a torch.save'd list of token ids ({reason})") from e
         if not isinstance(token_map, (list, tuple, Tensor)):
             raise HotVocabError(
                 f"token map {path}: expected a list or 1-D tensor of token ids, "

@@ -33,7 +33,10 @@ def token_counts(ds: Dataset, vocab_size: int) -> Tensor:
     for batch in ds.select_columns(["input_ids", "loss_mask"]).iter(batch_size=1000):
         ids = torch.tensor([i for row in batch["input_ids"] for i in row], dtype=torch.int64)
         mask = torch.tensor([m for row in batch["loss_mask"] for m in row], dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=vocab_size)
+        ids = ids[mask]
+        if len(ids) and ids.max() >= vocab_size:
+            raise ValueError(f"token id {int(ids.max())} is past the target's vocabulary of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
     return counts
 
 
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     if tokenizer.chat_template is None:  # else the first conversation fails deep inside the tokenizing
         parser.error(f"--target {args.target}: its tokenizer has no chat template (a base model?), so the assistant's "
                      "tokens cannot be found")
+    vocab_size = target_config(target).vocab_size
+    if len(tokenizer) > vocab_size:  # its ids would count past the target's vocabulary
+        parser.error(f"--target {args.target}: its tokenizer has {len(tokenizer)} tokens, more than its config's "
+                     f"vocab_size {vocab_size}")
     config = DataConfig(args.max_length, args.format, args.num_proc, args.cache_dir)
     try:
         rows = build_dataset(data, tokenizer, config)
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(rows) == 0:
         parser.error(f"--data {args.data}: no conversation with loss tokens (all cut off by --max-length "
                      f"{args.max_length}, or skipped by the chat template: see above)")
-    counts = token_counts(rows, target_config(target).vocab_size)
+    counts = token_counts(rows, vocab_size)
     hot = draft_vocab(counts, args.size, order="by_frequency")
     hot.save_token_map(args.output)
     covered = counts[hot.hot_ids].sum() / counts.sum().clamp(min=1)

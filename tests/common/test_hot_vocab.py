@@ -1,6 +1,7 @@
 """The hot vocabulary: d2t / t2d / token-map round trips are exact, top-k selection is deterministic,
 mapping and restriction are consistent, and malformed inputs fail with errors that name the problem."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,15 @@ def test_from_counts_orders():
     assert counts[by_id.hot_ids].min() >= counts[~by_id.t2d].max()
     # FR-Spec maps nest: the top 8 is a prefix of the top 20.
     assert torch.equal(HotVocab.from_counts(counts, 8, order="by_frequency").hot_ids, by_freq.hot_ids[:8])
+
+
+def test_ties_go_to_the_lower_id_in_a_large_vocabulary():
+    """Counts of a 50,000-token vocabulary with few distinct values (an unstable sort orders ties arbitrarily at this
+    size): most frequent first, equal counts in ascending id order, and at the cut the lowest ids of the tied count."""
+    counts = torch.randint(0, 5, (50_000,), generator=torch.Generator().manual_seed(0))
+    hot = HotVocab.from_counts(counts, 30_000, order="by_frequency").hot_ids
+    expected = sorted(range(50_000), key=lambda i: (-int(counts[i]), i))[:30_000]
+    assert hot.tolist() == expected
 
 
 def test_to_target(freq_order):
@@ -169,5 +179,18 @@ def test_token_map_file_errors_name_the_file(tmp_path, content, message):
     path = tmp_path / "freq_3.pt"
     torch.save(content, path)
     with pytest.raises(HotVocabError, match=message) as err:
+        HotVocab.load_token_map(path, V)
+    assert str(err.value).startswith(f"token map {path}: ")
+
+
+@pytest.mark.parametrize("write", [
+    lambda path: path.write_text("[1, 2, 3]"),  # JSON
+    lambda path: torch.save(np.arange(3), path),  # a numpy array: unpickling it is refused
+    lambda path: path.write_bytes(b""),  # empty
+], ids=["json", "numpy", "empty"])
+def test_a_token_map_in_another_format_is_named(tmp_path, write):
+    path = tmp_path / "freq_3.pt"
+    write(path)
+    with pytest.raises(HotVocabError, match=r"not a torch\.save'd list of token ids") as err:
         HotVocab.load_token_map(path, V)
     assert str(err.value).startswith(f"token map {path}: ")
