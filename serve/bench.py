@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trees", type=tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
-    add_sampling_arguments(parser)  # above 0 the draws come from the shared generator: τ varies from run to run
+    add_sampling_arguments(parser)  # above 0 each seed comes from torch's generator: τ varies from run to run
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")

@@ -68,10 +68,10 @@ from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
 from .kv_cache import KVPool
 from .rope import rope_tables
-from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator
+from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, position_uniforms
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, gather_rows, root_only
-from .verify import descend, draw_coins, verify_greedy, walk_sampling
+from .verify import follow_targets, verify_greedy, walk_sampling
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Request:
     cached: int = 0  # positions whose target KV is in the pool
     drafted: int = 0  # positions whose draft KV is in the pool: `cached`, or fewer after steps that drafted nothing
     draft: DraftState | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # the request's draws (`sampling.position_uniforms`): its params' seed, or one drawn at random
     emitted: int = 0  # len(output) already handed out by `take_new_tokens`
 
     @property
@@ -177,7 +177,8 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         self.attention = attention_backend(self.config.attention, self.device)
         draft_kernels = DraftKernels()  # the draft's best children per node, the tree's bookkeeping
-        self.verify_greedy, self.descend, self.probs_kernels = verify_greedy, descend, TORCH_PROBS  # in the graph
+        # What the target pass's graph verifies with.
+        self.verify_greedy, self.follow_targets, self.probs_kernels = verify_greedy, follow_targets, TORCH_PROBS
         self.accept_kernels = TORCH_ACCEPT  # the accept phase's bookkeeping
         fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         if fused:
@@ -185,7 +186,8 @@ class Engine:
 
             torch.cuda.set_device(self.device)  # Triton launches on the current device
             draft_kernels = kernels.DRAFT
-            self.verify_greedy, self.descend, self.probs_kernels = kernels.verify_greedy, kernels.descend, kernels.PROBS
+            self.verify_greedy, self.follow_targets = kernels.verify_greedy, kernels.follow_targets
+            self.probs_kernels = kernels.PROBS
             self.accept_kernels = kernels.ACCEPT
         # A speculative step's kernels let the next launch as they end on a target whose matmuls stream tens of µs
         # a call (`kernels.releasing_late`); plain steps' launch at once.
@@ -289,7 +291,8 @@ class Engine:
             bad = next(i for i in prompt if not 0 <= i < vocab)
             raise ValueError(f"token id {bad} of the prompt is not in the target's vocabulary [0, {vocab})")
         request = Request(list(prompt), params, max_new_tokens, frozenset(stop_ids))
-        request.generator = make_generator(params, self.device)
+        # An unseeded request's seed comes from torch's generator: torch.manual_seed makes a run repeat.
+        request.seed = params.seed if params.seed is not None else int(torch.randint(-(2**63), 2**63 - 1, ()))
         self.waiting.append(request)
         return request
 
@@ -531,7 +534,7 @@ class Engine:
         ids = to_device(host, self.device)
         # Wide enough for every padded position (past a row's blocks: the scratch block).
         table = self._block_table(requests, pad, width=self._blocks_for(max(starts) + T))
-        name, verify, verify_inputs = self._verification(0, self._sampling(requests, pad, 1, first))
+        name, verify, verify_inputs = self._verification(0, self._sampling(requests, pad, first))
         inputs = (ids[:, :T], ids[:, T : 2 * T], ids[:, 2 * T], ids[:, 2 * T + 1], ids[:, 2 * T + 2] != 0, table,
                   *verify_inputs)
         forward = functools.partial(self._prefill_forward, verify)
@@ -569,7 +572,7 @@ class Engine:
         root = root_only(tokens.gather(1, last[:, None])[:, 0])
         logits = self.target.logits(hidden).float()  # [B, 1, V]
         _, _, token = verify(root.tokens, root.parents, logits, torch.ones_like(root.tokens, dtype=torch.bool),
-                             *verify_inputs)
+                             positions.gather(1, last[:, None]), *verify_inputs)
         if self.drafter is None:
             return (token,)
         at_last = torch.where(first, token, next_tokens.gather(1, last[:, None])[:, 0])
@@ -603,7 +606,7 @@ class Engine:
                 else:  # plain decoding: the draft falls behind (`_catch_up_drafts`)
                     tree = root_only(roots)
             with self._phase("verify"):  # target pass and verification in one graph
-                sampling = self._sampling(requests, pad, tree.tokens.shape[1])
+                sampling = self._sampling(requests, pad)
                 out, accepted, num_accepted, bonus = self._target_pass(tree, n, table, depth, sampling)
             with self._phase("accept"):
                 step = self._accept(requests, shape, depth, tree, n, table, out, accepted, num_accepted, bonus)
@@ -616,31 +619,27 @@ class Engine:
         """Whether a decode step stays in flight: with overlap on and no profiling (which times each step whole)."""
         return self.config.overlap and not self.profile
 
-    def _sampling(self, requests: list[Request], pad: int, nodes: int, drawing: list[int] | None = None
+    def _sampling(self, requests: list[Request], pad: int, drawing: list[int] | None = None
                   ) -> tuple[SamplingRows, Tensor] | None:
         """None when every request that draws (`drawing`, indices; None: all) is greedy; else the B' rows' sampling
-        parameters and coins [B', nodes + 1] for `walk_sampling`, those of the rows that do not draw 0 (padding rows
-        sample at temperature 1: they accept paths, which write only the scratch block, and nothing of them reaches
-        the host). The coins come from each request's generator, outside the graph, so seeded requests draw what they
-        draw eagerly."""
+        parameters and seeds [B'] (padding rows sample at temperature 1 with seed 0: they accept paths, which write
+        only the scratch block, and nothing of them reaches the host)."""
         drawing = list(range(len(requests))) if drawing is None else drawing
         if all(requests[b].params.greedy for b in drawing):
             return None
         rows = SamplingRows.of([r.params for r in requests] + [SamplingParams()] * pad, len(requests) + pad,
                                self.target.config.vocab_size, self.device)
-        coins = torch.zeros(len(requests) + pad, nodes + 1, device=self.device)
-        coins[drawing] = draw_coins(len(drawing), nodes, _generators([requests[b] for b in drawing]), self.device)
-        return rows, coins
+        return rows, to_device(torch.tensor([r.seed for r in requests] + [0] * pad), self.device)
 
     def _verification(self, depth: int, sampling: tuple[SamplingRows, Tensor] | None):
         """The verification a graph runs on trees `depth` deep: greedy, or by `sampling` (`_sampling`). -> its name,
-        its function of (tokens, parents, logits, node_valid, *inputs) and those inputs."""
+        its function of (tokens, parents, logits, node_valid, positions, *inputs) and those inputs."""
         if sampling is None:
-            return f"greedy verification {depth}", functools.partial(self.verify_greedy, max_depth=depth), ()
-        rows, coins = sampling
+            return f"greedy verification {depth}", functools.partial(self._verify_greedy, depth), ()
+        rows, seeds = sampling
         flags = (rows.any_top_k, rows.any_top_p, rows.any_greedy)
         return (f"sampled verification {depth}, top-k, top-p, greedy rows {flags}",
-                functools.partial(self._verify_sampled, flags, depth), (rows.values, coins))
+                functools.partial(self._verify_sampled, flags, depth), (rows.values, seeds))
 
     def _target_pass(self, tree: DraftTree, n: Tensor, table: Tensor, depth: int,
                      sampling: tuple[SamplingRows, Tensor] | None):
@@ -656,18 +655,26 @@ class Engine:
 
     def _target_forward(self, verify, aux_layers: tuple[int, ...], tokens: Tensor, parents: Tensor, depth: Tensor,
                         table: Tensor, prefix: Tensor, mask: Tensor, *verify_inputs: Tensor):
-        rope = self.rope(prefix[:, None] + depth)  # node j's position: n + its depth
-        out = self.target(tokens, rope, self.attention(self.pool, table, prefix, mask), aux_layers=aux_layers)
+        positions = prefix[:, None] + depth  # node j's: n + its depth
+        out = self.target(tokens, self.rope(positions), self.attention(self.pool, table, prefix, mask),
+                          aux_layers=aux_layers)
         logits = self.target.logits(out.hidden).float()
         aux = out.aux if out.aux is not None else out.hidden  # graphs return tensors only; ignored without aux layers
         return (out.hidden, aux) + verify(tokens, parents, logits, torch.ones_like(tokens, dtype=torch.bool),
-                                          *verify_inputs)
+                                          positions, *verify_inputs)
+
+    def _verify_greedy(self, depth: int, tokens: Tensor, parents: Tensor, logits: Tensor, node_valid: Tensor,
+                       positions: Tensor) -> tuple[Tensor, ...]:
+        """`verify_greedy`, which draws nothing at the nodes' positions."""
+        return self.verify_greedy(tokens, parents, logits, node_valid, depth)
 
     def _verify_sampled(self, flags: tuple[bool, bool, bool], depth: int, tokens: Tensor, parents: Tensor,
-                        logits: Tensor, node_valid: Tensor, values: Tensor, coins: Tensor) -> tuple[Tensor, ...]:
-        """`walk_sampling` on graph inputs: the rows' parameter tensor and `flags` stand for their `SamplingRows`."""
-        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags), coins, depth,
-                             self.descend, self.probs_kernels)
+                        logits: Tensor, node_valid: Tensor, positions: Tensor, values: Tensor, seeds: Tensor
+                        ) -> tuple[Tensor, ...]:
+        """`walk_sampling` on graph inputs: the rows' parameter tensor and `flags` stand for their `SamplingRows`;
+        each row draws with its seed at the nodes' positions."""
+        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags),
+                             position_uniforms(seeds, positions), depth, self.follow_targets, self.probs_kernels)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,
@@ -762,9 +769,3 @@ def _causal_mask(T: int, device: torch.device) -> Tensor:
     (T at most a configured tree's depth + 1) or a prefill chunk's (T a `length_bucket`, or a chunk run eagerly), so
     there are few."""
     return causal_mask(T, device)
-
-
-def _generators(requests: list[Request]) -> list[torch.Generator | None] | None:
-    """The requests' own generators, or None when none has one: then one draw from the shared generator serves all."""
-    generators = [r.generator for r in requests]
-    return None if all(g is None for g in generators) else generators

@@ -21,12 +21,12 @@ kernel's `NORM`, SiLU·mul's `rms_of`), its 1 / RMS scales the product instead o
 
 The model stays defined once (`eyas.common`): its layers call their `kernels` (`common.layers.Kernels`, torch by
 default), and the engine installs `FUSED` on the models it serves on CUDA when triton is installed, whatever the
-attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree, a pass's inputs) and the target
-pass's graph `verify_greedy`, `descend` (the sampled walk) and `PROBS` (softmax, floor, row sums), and its accept
-phase `ACCEPT`, in place of their torch references (`serve.tree`, `serve.verify`, `serve.sampling`, `serve.accept`),
-which they equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes from tensor
-shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA device; on
-Hopper and later, with programmatic dependent launch (`launch_options`).
+attention backend (`install`); the drafter takes `DRAFT` (top-k, frontier, tree, a pass's inputs), the target
+pass's graph `verify_greedy`, `follow_targets` (the walk down a tree) and `PROBS` (softmax, floor, row sums), and
+its accept phase `ACCEPT`, in place of their torch references (`serve.tree`, `serve.verify`, `serve.sampling`,
+`serve.accept`), which they equal. They have no backward: the trainer keeps the torch kernels. Launches read sizes
+from tensor shapes only and never sync the host, so CUDA graphs capture them. Triton launches on the current CUDA
+device; on Hopper and later, with programmatic dependent launch (`launch_options`).
 """
 
 from __future__ import annotations
@@ -950,24 +950,29 @@ def _merge_top_kernel(best_ptr, where_ptr, max_ptr, sum_ptr, values_ptr, indices
 
 def verify_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, node_valid: Tensor, max_depth: int | None = None
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """`eyas.serve.verify.verify_greedy` with the walk down the tree in one launch (torch takes about ten kernels a
-    tree level): the target's argmax [B, N] from `top_log_probs` (two launches, where torch's reduce over a 128k
-    vocabulary takes 28 µs at one token; the first maximum wins, as in torch), then one program per row walks its
-    tree."""
+    """`eyas.serve.verify.verify_greedy`: the target's argmax [B, N] from `top_log_probs` (two launches, where
+    torch's reduce over a 128k vocabulary takes 28 µs at one token; the first maximum wins, as in torch), then
+    `follow_targets`."""
+    return follow_targets(tokens, parents, top_log_probs(logits, 1)[1].squeeze(-1), node_valid, max_depth)
+
+
+def follow_targets(tokens: Tensor, parents: Tensor, targets: Tensor, node_valid: Tensor, max_depth: int | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """`eyas.serve.verify.follow_targets` in one launch (torch takes about ten kernels a tree level), one program
+    per row walking its tree."""
     B, N = tokens.shape
     steps = N - 1 if max_depth is None else min(max_depth, N - 1)
-    target = top_log_probs(logits, 1)[1].squeeze(-1)  # [B, N]
     accepted = torch.empty(B, N, dtype=torch.long, device=tokens.device)
     num_accepted, bonus = (torch.empty(B, dtype=torch.long, device=tokens.device) for _ in range(2))
-    tokens, parents, node_valid = (x.contiguous() for x in (tokens, parents, node_valid))
-    _greedy_walk_kernel[(B,)](tokens, parents, node_valid, target, accepted, num_accepted, bonus, N, STEPS=steps,
-                              BLOCK=triton.next_power_of_2(N), **launch_options(tokens.device))
+    tokens, parents, targets, node_valid = (x.contiguous() for x in (tokens, parents, targets, node_valid))
+    _follow_targets_kernel[(B,)](tokens, parents, node_valid, targets, accepted, num_accepted, bonus, N, STEPS=steps,
+                         BLOCK=triton.next_power_of_2(N), **launch_options(tokens.device))
     return accepted, num_accepted, bonus
 
 
 @jit
-def _greedy_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted_ptr, num_ptr, bonus_ptr, N,
-                        STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _follow_targets_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted_ptr, num_ptr, bonus_ptr, N,
+                   STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)  # node indices
@@ -990,54 +995,6 @@ def _greedy_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted
     tl.store(accepted_ptr + node, accepted, mask=ok)
     tl.store(num_ptr + row, num)
     tl.store(bonus_ptr + row, tl.load(target_ptr + row * N + cur))
-
-
-def descend(q: Tensor, mass: Tensor, parents: Tensor, node_valid: Tensor, coins: Tensor, steps: int
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`eyas.serve.verify.descend` in one launch (torch takes about twenty kernels a tree level), one program
-    per row. The mass left once elder siblings are rejected is summed in the kernel's own order, so a coin within
-    float32 rounding of its threshold may fall the other way than in torch: both are exact samplers."""
-    B, N = q.shape
-    accepted = torch.empty(B, N, dtype=torch.long, device=q.device)
-    num_accepted, cur = (torch.empty(B, dtype=torch.long, device=q.device) for _ in range(2))
-    walking = torch.empty(B, dtype=torch.bool, device=q.device)
-    q, mass, parents, node_valid, coins = (x.contiguous() for x in (q, mass, parents, node_valid, coins))
-    _descend_kernel[(B,)](q, mass, parents, node_valid, coins, accepted, num_accepted, cur, walking, N,
-                          STEPS=steps, BLOCK=triton.next_power_of_2(N), **launch_options(q.device))
-    return accepted, num_accepted, cur, walking
-
-
-@jit
-def _descend_kernel(q_ptr, mass_ptr, parents_ptr, valid_ptr, coins_ptr, accepted_ptr, num_ptr, cur_ptr, walking_ptr,
-                    N, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    follow(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK)  # node indices
-    ok = j < N
-    node = row * N + j
-    parents = tl.load(parents_ptr + node, mask=ok, other=-1)
-    valid = tl.load(valid_ptr + node, mask=ok, other=0) != 0
-    q = tl.load(q_ptr + node, mask=ok, other=0.0)
-    coins = tl.load(coins_ptr + row * (N + 1) + j, mask=ok, other=1.0)
-    accepted = tl.where(j == 0, 0, -1)
-    cur = 0  # the last accepted node
-    num = 0
-    walking = True  # whether the last level accepted a child
-    for depth in tl.static_range(1, STEPS + 1):
-        children = valid & (parents == cur)  # in rank order
-        tested = tl.where(children, q, 0.0)
-        left = tl.load(mass_ptr + row * N + cur) - (tl.cumsum(tested, 0) - tested)
-        passed = children & (coins < tested / left) & walking
-        child = tl.min(tl.where(passed, j, BLOCK), 0)  # the first child whose coin passed
-        found = child < BLOCK
-        accepted = tl.where((j == depth) & found, child, accepted)
-        cur = tl.where(found, child, cur)
-        num += found.to(tl.int32)
-        walking = found
-    tl.store(accepted_ptr + node, accepted, mask=ok)
-    tl.store(num_ptr + row, num)
-    tl.store(cur_ptr + row, cur)
-    tl.store(walking_ptr + row, walking)
 
 
 def softmax(x: Tensor, temperature: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy (argmax)
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
-    seed: int | None = None  # per-request generator seed (see `make_generator`); None = the shared one
+    seed: int | None = None  # the request's draws (`position_uniforms`); None: one drawn from torch's generator
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -42,12 +42,38 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """A generator seeded from `params.seed`, or None (use the shared one). The engine keeps it for the
-    request's whole life: re-seeding every step would reuse the same random numbers at each step."""
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+# splitmix64's constants (Steele et al., "Fast splittable pseudorandom number generators", 2014), as int64.
+_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """seeds [B] int64, positions [B, ...] int64 -> [B, ...] float32 uniforms in [0, 1), 24 bits each: splitmix64's
+    output for the state seed + (position + 1) * gamma. Counter-based: a request's draw at a position is the same
+    whatever was drawn before it, so its sampled tokens do not depend on the trees, batches or plain steps that
+    produced them. int64 arithmetic wraps (as the generator's unsigned arithmetic does); `_shifted` keeps shifts
+    logical. A few launches of [B, N] integers, so the engine keeps them in its graphs."""
+    z = seeds.view(-1, *(1,) * (positions.dim() - 1)) + (positions + 1) * _GAMMA
+    z = (z ^ _shifted(z, 30)) * _MIX1
+    z = (z ^ _shifted(z, 27)) * _MIX2
+    z = z ^ _shifted(z, 31)
+    return _shifted(z, 40).float() * 2.0**-24
+
+
+def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z >> bits, filling with zeros (torch shifts int64 arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: probs [..., V] (non-negative, each row some mass, unnormalised), uniforms [...] in [0, 1)
+    -> tokens [...], the first token whose cumulative mass exceeds uniform * the row's mass."""
+    V = probs.shape[-1]
+    cdf = probs.reshape(-1, V).cumsum(-1)  # [R, V]
+    total = cdf[:, -1:].contiguous()
+    tokens = torch.searchsorted(cdf, uniforms.reshape(-1, 1) * total, right=True)
+    # Rounding can put uniform * mass at the total: then the first token where the cdf reaches it, one with mass (the
+    # cdf rises there), never a zeroed one.
+    return torch.minimum(tokens, torch.searchsorted(cdf, total)).view(uniforms.shape)
 
 
 @dataclass(frozen=True)

@@ -252,32 +252,29 @@ def test_a_draft_left_behind_without_speculation_catches_up(target, graphs, chun
     assert engine.pool.allocator.num_free == 64
 
 
-def test_a_seeded_request_samples_after_a_catch_up_as_if_recomputed(target):
-    """A seeded sampled request whose draft fell behind at batch size 2: the catch-up at batch size 1 draws nothing
-    from its generator, so from there on it samples (tokens and acceptance) what it samples recomputed from scratch
-    (as after a preemption, its generator where it was) on a server that always speculates."""
-    shape, params = SHAPES["tree"], SamplingParams(temperature=0.8, seed=11)
-    config = EngineConfig(tree_by_batch=((1, shape), (2, None)), block_size=4, num_blocks=64, max_prefill_tokens=16,
-                          overlap=False)
-    engine = Engine(target, random_head(target), config)
+def test_a_seeded_request_draws_the_same_tokens_with_any_tree_or_none(target):
+    """A seeded sampled request's draws belong to its positions (`sampling.position_uniforms`): beside a greedy
+    request, it emits the same tokens without speculation, with a chain, with a tree, and on a server that stops
+    speculating at batch size 2 and catches its draft up once alone; the speculative runs do accept drafts.
+    Unseeded, two requests draw differently."""
+    params = SamplingParams(temperature=0.8, top_k=40, seed=11)
     long, short = prompts(2, target.config.vocab_size, seed=8)
-    sampled, greedy = engine.add_request(long, params, 40), engine.add_request(short, GREEDY, 8)
-    while not greedy.finished:
-        engine.step()
-    assert sampled.drafted < sampled.cached and not sampled.accepted
-    state, output = sampled.generator.get_state(), list(sampled.output)
-    engine.step()  # the catch-up
-    assert sampled.drafted == sampled.cached and sampled.output == output
-    assert torch.equal(sampled.generator.get_state(), state)
-    always = Engine(target, random_head(target), dataclasses.replace(config, tree_by_batch=((1, shape),)))
-    recomputed = always.add_request(long, params, 40)
-    recomputed.output = list(sampled.output)
-    recomputed.generator.set_state(sampled.generator.get_state())
-    for server in (engine, always):
-        while server.has_work():
-            server.step()
-    assert sampled.output == recomputed.output and sampled.accepted == recomputed.accepted
-    assert len(sampled.output) == 40 and sampled.accepted
+    settings = {"plain": dict(speculative=False), "chain": dict(tree=SHAPES["chain"]),
+                "tree": dict(tree=SHAPES["tree"]), "by batch": dict(tree_by_batch=((1, SHAPES["tree"]), (2, None)))}
+    outputs = {}
+    for name, setting in settings.items():
+        engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64, **setting))
+        sampled, _ = engine.add_request(long, params, 40), engine.add_request(short, GREEDY, 8)
+        while engine.has_work():
+            engine.step()
+        outputs[name] = sampled.output
+        assert len(sampled.output) == 40 and bool(sampled.accepted) == (name != "plain")
+    assert all(out == outputs["plain"] for out in outputs.values())
+    assert outputs["plain"] != list(greedy_tokens(target, long, 40))
+    unseeded = dataclasses.replace(params, seed=None)
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=64))
+    first, second = (r.output for r in engine.generate([long, long], unseeded, max_new_tokens=16))
+    assert first != second
 
 
 def test_no_tree_is_drafted_from_a_draft_left_behind(target, monkeypatch):
@@ -454,13 +451,19 @@ def test_sampled_verification_of_top_one_is_greedy(target, graphs, monkeypatch):
 
 @pytest.mark.gpu
 def test_sampled_verification_in_the_cuda_graph(hf_checkpoint, target):
-    """On CUDA the sampled verification is captured with the target pass; top-1 sampling stays greedy there."""
+    """On CUDA the sampled verification is captured with the target pass; top-1 sampling stays greedy there, and a
+    seeded request samples what it samples on the CPU."""
     ps = prompts(3, target.config.vocab_size, seed=5)
     cuda_target = TargetModel.from_pretrained(hf_checkpoint("llama")[0], device="cuda")
     config = EngineConfig(tree=SHAPES["tree"], block_size=16, num_blocks=64, attention="triton")
     engine, outputs = top_one_sampling(cuda_target, random_head(target).cuda(), config, ps)
     assert outputs == [list(greedy_tokens(target, p, 20)) for p in ps]
     assert engine.graphs.capture and any("sampled verification" in key[0] for key in engine.graphs.graphs)
+    # A seeded request draws there what it draws on the CPU without speculation: its draws belong to positions.
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    on_gpu = engine.generate(ps[:1], params, max_new_tokens=30)[0]
+    plain = Engine(target, None, EngineConfig(speculative=False, block_size=4, num_blocks=64))
+    assert on_gpu.accepted and on_gpu.output == plain.generate(ps[:1], params, max_new_tokens=30)[0].output
 
 
 def sampled_run(target, ps, params, monkeypatch):

@@ -36,7 +36,7 @@ from eyas.common.layers import (
     rms_norm,
 )
 from eyas.common.target import TargetModel
-from eyas.serve import accept, sampling, tree, verify
+from eyas.serve import accept, sampling, tree
 from eyas.serve.fp8 import E4M3, Fp8Weight, Fp8Weights, dequantize, quantize
 from eyas.serve.kv_cache import KVPool
 from eyas.serve.verify import verify_greedy
@@ -208,31 +208,6 @@ def check_verify_greedy(device, B, N, max_depth=None, impl=kernels.verify_greedy
     ours = impl(tokens, parents, logits, valid, max_depth)
     reference = verify_greedy(tokens, parents, logits, valid, max_depth)
     assert N < 3 or reference[1].float().mean() > 1  # the trees are accepted deeply
-    for a, b in zip(ours, reference, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-def check_descend(device, B, N, max_depth=None, impl=kernels.descend):
-    """Random deep trees (each node's parent among the three nodes before it; padded tails), each node's probability
-    after its parent a random share of its siblings', a tenth of them 0 (repeats): the kernel's walk equals the
-    torch walk, every output and its dtype. Over 8 or more rows, some rows accept two nodes or more and some stop
-    on a rejection."""
-    g = torch.Generator().manual_seed(B * 100 + N)
-    j = torch.arange(N)
-    parents = torch.where(j > 0, j - 1 - (torch.rand(B, N, generator=g) * j.clamp(max=3)).long(), -1)  # [B, N]
-    valid = j < torch.randint(1, N + 1, (B, 1), generator=g)
-    mass = 1 + 1e-4 * torch.randn(B, N, generator=g)  # each distribution's total: 1 up to rounding
-    siblings = (parents[:, :, None] == parents[:, None, :]).sum(-1)  # [B, N], the node itself included
-    q = torch.rand(B, N, generator=g) ** 0.1 / siblings
-    q = torch.where(valid & (parents >= 0) & (torch.rand(B, N, generator=g) > 0.1), q, 0.0)
-    coins = torch.rand(B, N + 1, generator=g)
-    steps = N - 1 if max_depth is None else min(max_depth, N - 1)
-    inputs = [x.to(device) for x in (q, mass, parents, valid, coins)]
-    ours, reference = impl(*inputs, steps), verify.descend(*inputs, steps)
-    accepted, num_accepted, cur, walking = reference
-    if B >= 8:
-        rejected = ~walking & (inputs[3] & (inputs[2] == cur[:, None])).any(1)  # stopped with children left
-        assert (num_accepted >= 2).any() and rejected.any()
     for a, b in zip(ours, reference, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -564,16 +539,10 @@ def test_top_log_probs_cuda(dtype, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [(64, 12, None), (1, 48, 6), (8, 8, 7), (64, 60, 6), (4, 1, 0)], ids=str)
+@pytest.mark.parametrize("case", [(64, 12, None), (1, 48, 6), (8, 8, 7), (64, 60, 6), (4, 1, 0), (2, 97, 10),
+                                  (64, 256, 12)], ids=str)
 def test_verify_greedy_cuda(case):
     check_verify_greedy("cuda", *case)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [(64, 12, None), (1, 49, 6), (8, 9, 5), (64, 60, 6), (4, 1, 0), (2, 97, 10),
-                                  (64, 256, 12)], ids=str)
-def test_descend_cuda(case):
-    check_descend("cuda", *case)
 
 
 @pytest.mark.gpu
@@ -897,11 +866,6 @@ def test_verify_greedy_interpreter(interpreter, case):
     interpreter(check_verify_greedy, "cpu", *case)
 
 
-@pytest.mark.parametrize("case", [(16, 12, None), (8, 9, 3), (3, 30, 5), (2, 1, 0)], ids=str)
-def test_descend_interpreter(interpreter, case):
-    interpreter(check_descend, "cpu", *case)
-
-
 @pytest.mark.parametrize("case", [(14, 300), (7, 2100), (3, 9000), (2, 1)], ids=str)
 def test_nucleus_floor_interpreter(interpreter, case):
     interpreter(check_nucleus_floor, "cpu", *case)
@@ -989,10 +953,6 @@ def _walk_into_padding(tokens, parents, logits, node_valid, max_depth):
     return kernels.verify_greedy(tokens, parents, logits, torch.ones_like(node_valid), max_depth)
 
 
-def _descend_with_biased_coins(q, mass, parents, node_valid, coins, steps):
-    return kernels.descend(q, mass, parents, node_valid, coins.sqrt(), steps)
-
-
 def _softmax_a_little_warmer(x, temperature):
     return kernels.softmax(x, temperature * 1.01)
 
@@ -1071,7 +1031,6 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
     (check_silu_mul, ("cpu", torch.float32, (2, 3, 700), _silu_of_up)),
     (check_top_log_probs, ("cpu", torch.float32, (2, 300), 4, False, _top_of_unnormalised)),
     (check_verify_greedy, ("cpu", 16, 12, None, _walk_into_padding)),
-    (check_descend, ("cpu", 16, 12, None, _descend_with_biased_coins)),
     (check_softmax, ("cpu", 3, 5000, _softmax_a_little_warmer)),
     (check_row_sum, ("cpu", 3, 5000, _row_sum_short_of_the_last)),
     (check_tree_builder, ("cpu", 2, 4, 4, 12, False, tree.DraftKernels(grow_frontier=_forget_ancestors))),
@@ -1083,7 +1042,7 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
         "rows-unit-norm-skipped", "linear-silu-of-up", "rows-silu-of-up", "linear-without-residual",
         "rows-without-residual", "linear-ignoring-fp8",
         "rows-fp8-scales-rolled", "rows-split-finished-early", "rotary-sin-negated", "store-k-unrotated",
-        "silu-of-up", "top-of-unnormalised", "walk-into-padding", "descend-biased-coins", "softmax-a-little-warmer",
+        "silu-of-up", "top-of-unnormalised", "walk-into-padding", "softmax-a-little-warmer",
         "row-sum-short-of-the-last", "frontier-forgets-ancestors", "tree-walk-short", "frontier-parents-of-row-zero",
         "path-a-position-late", "move-one-short"])
 def test_checks_catch_wrong_kernels(interpreter, check, args):

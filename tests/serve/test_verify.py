@@ -1,12 +1,21 @@
 """Tree verification: golden greedy walks, and sampling that is distribution-exact (chi-square tests
-against the target's own sampling, with negative controls showing the test can fail)."""
+against the target's own sampling, with negative controls showing the test can fail) and draws at each position
+what the target draws there on its own."""
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
 import eyas.serve.verify as verify
-from eyas.serve.sampling import TORCH_PROBS, SamplingParams, SamplingRows, make_generator, nucleus_floor, target_probs
+from eyas.serve.sampling import (
+    TORCH_PROBS,
+    SamplingParams,
+    SamplingRows,
+    nucleus_floor,
+    position_uniforms,
+    sample,
+    target_probs,
+)
 from eyas.serve.verify import verify_greedy, verify_sampling
 
 V = 6  # tiny vocab for the statistical tests
@@ -124,21 +133,29 @@ def target_first_two(tree, params):
     return probs_of(logits[:1], params)[0].double(), probs_of(after, params).double()
 
 
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """parents [..., N] -> each node's depth [..., N] (the root's 0): its position past the root's."""
+    depth = torch.zeros_like(parents)
+    for j in range(1, parents.shape[-1]):
+        depth[..., j] = depth.gather(-1, parents[..., j : j + 1].clamp(min=0))[..., 0] + 1
+    return depth
+
+
 def speculative_first_two(tree, params, seed=0):
-    """First two emitted tokens of DRAWS independent verifications of the same tree [DRAWS] each. When a
-    step emits only one token, the second comes from the target's next step, sampled here directly."""
+    """First two emitted tokens of DRAWS verifications of the same tree [DRAWS] each, one seed each. When a step
+    emits only one token, the second comes from the target's next step, drawn here as it is: by the same seed at
+    the next position."""
     tokens, parents, logits, off = tree
     N = len(tokens)
-    g = torch.Generator().manual_seed(seed)
+    seeds = torch.arange(DRAWS) + seed * DRAWS
     valid = torch.ones(DRAWS, N, dtype=torch.bool)
-    acc, n, bonus = verify_sampling(
-        tokens.expand(DRAWS, N), parents.expand(DRAWS, N), logits.expand(DRAWS, N, V), valid, params, g
-    )
+    acc, n, bonus = verify_sampling(tokens.expand(DRAWS, N), parents.expand(DRAWS, N), logits.expand(DRAWS, N, V),
+                                    valid, params, seeds, depths(parents).expand(DRAWS, N))
     emitted = torch.cat([tokens[acc[:, 1:].clamp(min=0)], bonus[:, None]], 1)  # [DRAWS, N]
     emitted.scatter_(1, n[:, None], bonus[:, None])  # the bonus right after the accepted drafts
     first, second = emitted[:, 0], emitted[:, 1]
     _, cond = target_first_two(tree, params)
-    next_step = torch.multinomial(cond[first], 1, generator=g)[:, 0]
+    next_step = sample(cond[first].float(), verify.position_uniforms(seeds, torch.ones(DRAWS, dtype=torch.long)))
     return first, torch.where(n == 0, next_step, second)
 
 
@@ -167,20 +184,41 @@ def test_sampling_is_exact(tree, params):
     assert chi2_pvalue(first * V + second, p1[:, None] * cond) > P_MIN  # joint over V * V outcomes
 
 
-@pytest.mark.parametrize(
-    "coins",
-    [
-        lambda u: torch.zeros_like(u),  # accept every child with p > 0
-        lambda u: u.sqrt(),  # accept with probability ratio**2 instead of ratio
-    ],
-    ids=["accept-any", "biased-coin"],
-)
-def test_wrong_verifier_fails_the_test(monkeypatch, coins):
-    uniforms = verify.draw_coins
-    monkeypatch.setattr(verify, "draw_coins", lambda *args: coins(uniforms(*args)))
+def test_biased_draws_fail_the_test(monkeypatch):
+    """Uniforms squared (draws leaning to the vocabulary's first tokens) give a first token the test rejects."""
+    monkeypatch.setattr(verify, "position_uniforms", lambda seeds, positions: position_uniforms(seeds, positions) ** 2)
     p1, _ = target_first_two(TREE, PARAMS[0])
     first, _ = speculative_first_two(TREE, PARAMS[0])
     assert chi2_pvalue(first, p1) < P_MIN
+
+
+def test_one_uniform_for_every_position_fails_the_test(monkeypatch):
+    """A request's draws not keyed to their position (one uniform for all): each token alone is drawn from its
+    distribution, but the two are not independent, and the joint test rejects them."""
+    monkeypatch.setattr(verify, "position_uniforms",
+                        lambda seeds, positions: position_uniforms(seeds, torch.zeros_like(positions)))
+    p1, cond = target_first_two(TREE, PARAMS[0])
+    first, second = speculative_first_two(TREE, PARAMS[0])
+    assert chi2_pvalue(first, p1) > P_MIN
+    assert chi2_pvalue(first * V + second, p1[:, None] * cond) < P_MIN
+
+
+def test_position_uniforms_are_splitmix64():
+    """The draws are splitmix64's outputs (its top 24 bits) at state seed + (position + 1) * gamma, computed here with
+    Python's unbounded integers: seed 0's first is 0xe220a8397b1dcdaf, the generator's published first output."""
+    mask = (1 << 64) - 1
+
+    def reference(seed, position):
+        z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) >> 40) / 2**24
+
+    assert reference(0, 0) == (0xE220A8397B1DCDAF >> 40) / 2**24
+    seeds = torch.tensor([0, 1, -5, 2**62, -(2**63)])
+    positions = torch.tensor([[0, 1, 2, 1000, 2**40]] * 5)
+    expected = [[reference(s % (1 << 64), p) for p in positions[0].tolist()] for s in seeds.tolist()]
+    assert position_uniforms(seeds, positions).tolist() == expected
 
 
 # --- sampling: batching, padding, seeds ------------------------------------------------------------
@@ -199,35 +237,54 @@ def random_trees(B=64, N=12, vocab=8, seed=0):
     return tokens, parents, logits, valid
 
 
+def seeded(B: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B requests' seeds (0, 1, ...) and their trees' node positions, past a 100-token prefix."""
+    return torch.arange(B), 100 + depths(parents)
+
+
 def test_temperature_zero_sampling_equals_greedy():
     tokens, parents, logits, valid = random_trees()
     greedy = verify_greedy(tokens, parents, logits, valid)
-    sampled = verify_sampling(tokens, parents, logits, valid, SamplingParams(temperature=0))
+    sampled = verify_sampling(tokens, parents, logits, valid, SamplingParams(temperature=0), *seeded(64, parents))
     assert greedy[1].float().mean() > 1  # the trees do get accepted deeply
     for a, b in zip(greedy, sampled, strict=True):
         assert torch.equal(a, b)
 
 
-def test_mixed_params_and_per_request_generators():
+def test_mixed_params_and_per_request_seeds():
     tokens, parents, logits, valid = random_trees()
     B = len(tokens)
-    params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(top_k=3, seed=i) for i in range(B)]
-
-    def run():
-        gens = [make_generator(p, "cpu") for p in params]
-        return verify_sampling(tokens, parents, logits, valid, params, gens)
-
-    first, again = run(), run()
+    params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(top_k=3) for i in range(B)]
+    first, again = (verify_sampling(tokens, parents, logits, valid, params, *seeded(B, parents)) for _ in range(2))
     for a, b in zip(first, again, strict=True):
-        assert torch.equal(a, b)  # per-request seeds reproduce
+        assert torch.equal(a, b)  # seeds reproduce
+    other = verify_sampling(tokens, parents, logits, valid, params, torch.arange(B) + B, 100 + depths(parents))
+    assert not torch.equal(first[2][::2], other[2][::2])  # and other seeds draw otherwise
     greedy = verify_greedy(tokens, parents, logits, valid)
     for a, b in zip(first, greedy, strict=True):
         assert torch.equal(a[1::2], b[1::2])  # greedy rows of a mixed batch are exactly greedy
 
 
+def test_each_position_draws_what_the_target_draws_there_alone():
+    """Every token a sampled verification emits is the target's own draw at its position: what sampling the
+    distribution after its parent (alone, as a plain decoding step does) with the seed's uniform there gives."""
+    tokens, parents, logits, valid = random_trees(B=256)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    seeds, positions = seeded(256, parents)
+    acc, n, bonus = verify_sampling(tokens, parents, logits, valid, params, seeds, positions)
+    alone = sample(probs_of(logits, params), position_uniforms(seeds, positions))  # [B, N]: each node's own draw
+    path = acc.clamp(min=0)
+    last = path.gather(1, n[:, None])[:, 0]
+    assert torch.equal(bonus, alone.gather(1, last[:, None])[:, 0])
+    for b in range(256):
+        for d in range(1, int(n[b]) + 1):  # an accepted node holds its parent's draw
+            assert tokens[b, path[b, d]] == alone[b, path[b, d - 1]]
+    assert (n >= 2).sum() > 10  # some paths go deep
+
+
 def test_sampling_never_accepts_padding():
     tokens, parents, logits, valid = random_trees(B=512)
-    acc, n, _ = verify_sampling(tokens, parents, logits, valid, SamplingParams(), torch.Generator().manual_seed(0))
+    acc, n, _ = verify_sampling(tokens, parents, logits, valid, SamplingParams(), *seeded(512, parents))
     path = acc >= 0
     assert torch.equal(path.sum(1), n + 1)
     assert valid.gather(1, acc.clamp(min=0))[path].all()
@@ -238,17 +295,18 @@ def test_sampling_never_accepts_padding():
 
 
 def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypatch):
-    """With top-k 2 and the root's two children holding the two kept tokens, the second child's acceptance ratio is 1
-    but can round to just below it; with coins just below 1 both children may then be rejected, and the bonus must
-    still be a token the target can emit (it fell back to token 0, outside the top 2)."""
+    """With top-k 2 and the root's two children holding the two kept tokens, a uniform just below 1 draws the second
+    child whose cumulative mass can round to just below the total: the draw must still be a token the target can
+    emit (never one after it in the vocabulary, outside the top 2)."""
     B, V = 256, 16
     logits = torch.randn(B, 3, V, generator=torch.Generator().manual_seed(0))
     top2 = logits[:, 0].topk(2).indices  # [B, 2]
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), top2], 1)
     parents = torch.tensor([[-1, 0, 0]] * B)
     params = SamplingParams(top_k=2)
-    monkeypatch.setattr(verify, "draw_coins", lambda batch, nodes, *_: torch.full((batch, nodes + 1), 1 - 2**-24))
-    acc, n, bonus = verify_sampling(tokens, parents, logits, torch.ones(B, 3, dtype=torch.bool), params)
+    monkeypatch.setattr(verify, "position_uniforms", lambda seeds, positions: torch.full(positions.shape, 1 - 2**-24))
+    acc, n, bonus = verify_sampling(tokens, parents, logits, torch.ones(B, 3, dtype=torch.bool), params,
+                                    *seeded(B, parents))
     last = acc.gather(1, n[:, None])[:, 0]  # the node the bonus follows
     probs = probs_of(logits, params)
     assert (probs[torch.arange(B), last, bonus] > 0).all()
@@ -258,19 +316,21 @@ def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypat
 def test_sampling_walk_never_waits_for_the_gpu():
     """On CUDA the sampling walk, its per-request parameters and seeds included, queues its work and never reads
     the device (so the engine can capture it in the target pass's graph, and a prefill's first token queues the
-    steps after it); its paths are still well formed."""
-    tokens, parents, logits, valid = (x.cuda() for x in random_trees())
-    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=i) for i in range(len(tokens))]
-    generators = [make_generator(p, "cuda") for p in params]
+    steps after it); its paths are still well formed, and its draws are those on the CPU."""
+    trees = random_trees()
+    tokens, parents, logits, valid = (x.cuda() for x in trees)
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9) for _ in range(len(tokens))]
+    seeds, positions = (x.cuda() for x in seeded(len(tokens), trees[1]))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
     try:
-        acc, n, bonus = verify_sampling(tokens, parents, logits, valid, params, generators, max_depth=11)
+        acc, n, bonus = verify_sampling(tokens, parents, logits, valid, params, seeds, positions, max_depth=11)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     path = acc >= 0
     assert torch.equal(path.sum(1), n + 1) and valid.gather(1, acc.clamp(min=0))[path].all()
     assert ((0 <= bonus) & (bonus < logits.shape[-1])).all()
+    assert torch.equal(position_uniforms(seeds, positions).cpu(), position_uniforms(*seeded(len(tokens), trees[1])))
 
 
 def test_params_validation():
@@ -298,12 +358,12 @@ def test_nucleus_floor_keeps_ties():
     assert torch.equal(kept, torch.tensor([[True, True, True, False]]))
 
 
-def test_bonus_draw_at_the_top_of_the_cdf_keeps_to_tokens_with_mass():
+def test_a_draw_at_the_top_of_the_cdf_keeps_to_tokens_with_mass():
     """A uniform whose product with the mass rounds to the total (here u = 1) falls past the cdf; the draw falls back
     to the last token with mass, not to a zeroed one after it."""
     q = torch.tensor([[0.5, 0.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0], [0.2, 0.3, 0.1, 0.1, 0.3]])
-    assert verify._sample(q, torch.ones(3)).tolist() == [2, 1, 4]
-    assert verify._sample(q, torch.zeros(3)).tolist() == [0, 1, 0]
+    assert sample(q, torch.ones(3)).tolist() == [2, 1, 4]
+    assert sample(q, torch.zeros(3)).tolist() == [0, 1, 0]
 
 
 def test_floor_searches_only_the_filters_some_row_uses():
