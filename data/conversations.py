@@ -259,7 +259,7 @@ def normalize(record: object, format: str | None = None) -> Conversation:
             role = turn[keys[0]]
             if not isinstance(role, str) or role not in ROLES:
                 raise ValueError(f"turn {number}: unknown role {role!r}")
-            messages.append({"role": ROLES[role], "content": _text(turn[keys[1]])})
+            messages.append({"role": ROLES[role], "content": text_of(turn[keys[1]])})
     # An empty system prompt is none given: dropped, the other turns keeping their numbers in the record.
     dropped = int(bool(messages) and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str)
                   and not messages[0]["content"].strip())
@@ -291,9 +291,9 @@ def normalize(record: object, format: str | None = None) -> Conversation:
 _KEYS = {"sharegpt": "conversations", "messages": "messages", "ultrachat": "data"}
 
 
-def _text(content: object) -> object:
+def text_of(content: object) -> object:
     """A turn's content: a list of OpenAI text parts (`[{"type": "text", "text": ...}, ...]`) joined by newlines;
-    anything else as it is, for `normalize` to check."""
+    anything else as it is, for its reader (`normalize`, eval-eagle's questions) to check."""
     if isinstance(content, list) and content and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "\n".join(p["text"] for p in content)

@@ -54,19 +54,22 @@ class Client:
 
 class EngineClient(Client):
     """In-process: every pending prompt is a request of one engine, decoded in one continuous batch. A prompt
-    that leaves no room in the context, or is longer than `max_prompt_tokens`, is refused without running."""
+    that leaves no room in the context, or is longer than `max_prompt_tokens`, is refused without running.
+    room_of: another engine whose room (`Engine.room`) bounds the answers too, so that a baseline answers what a
+    speculative engine, which keeps more of its context free, can."""
 
     def __init__(self, engine: Engine, tokenizer, params: SamplingParams, max_new_tokens: int,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, room_of: Engine | None = None):
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
+        self.engines = (engine,) if room_of is None else (engine, room_of)
         self.stops = set(stop_token_ids(tokenizer))
         self.pending: list[Request] = []
         self.refused: list[object] = []  # handles answered None without running
 
     def submit(self, prompt: Conversation) -> object:
         ids = render_chat(self.tokenizer, prompt)
-        budget = min(self.max_new_tokens, self.engine.room(len(ids)))
+        budget = min(self.max_new_tokens, *(engine.room(len(ids)) for engine in self.engines))
         if budget <= 0 or (self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens):
             handle = object()
             self.refused.append(handle)

@@ -89,10 +89,14 @@ def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 
 def require_output_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace, *dests: str) -> None:
-    """A usage error for a file flag of `dests` (given) whose folder does not exist: found out before the work whose
-    results it would hold, not after it."""
+    """A usage error for a file flag of `dests` (given) that names a directory or whose folder does not exist: found
+    out before the work whose results it would hold, not after it."""
     for dest in dests:
-        if (path := getattr(args, dest)) is not None and not Path(path).parent.is_dir():
+        if (path := getattr(args, dest)) is None:
+            continue
+        if Path(path).is_dir():
+            parser.error(f"--{dest.replace('_', '-')} {path}: a directory; give the file's name")
+        if not Path(path).parent.is_dir():
             parser.error(f"--{dest.replace('_', '-')} {path}: no directory {Path(path).parent}")
 
 

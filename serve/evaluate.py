@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.common.assets import asset_path
-from eyas.data.conversations import Conversation, read_json_lines
+from eyas.data.conversations import Conversation, read_json_lines, text_of
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
 from .commands import (
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Acceptance:
-    tau: float
+    tau: float | None  # None: no verification reported (speculation off, or an endpoint without `eyas` statistics)
     accept_rate: list[float]
     reach: list[float]
     verifications: int
@@ -78,7 +78,7 @@ def acceptance_stats(accepted: list[int], depth: int) -> Acceptance:
         depth = max(accepted)
     n = len(accepted)
     if n == 0:
-        return Acceptance(1.0, [0.0] * depth, [0.0] * depth, 0, [0] * (depth + 1))
+        return Acceptance(None, [0.0] * depth, [0.0] * depth, 0, [0] * (depth + 1))
     at_least = [sum(a >= i for a in accepted) for i in range(depth + 1)]  # at_least[0] = n
     return Acceptance(
         tau=sum(a + 1 for a in accepted) / n,
@@ -90,23 +90,24 @@ def acceptance_stats(accepted: list[int], depth: int) -> Acceptance:
 
 
 def load_questions(bench: str) -> list[list[str]]:
-    """Each question as its list of user turns."""
+    """Each question as its list of user turns (a prompts file's text parts joined, as training and the server read
+    them); a record without a user turn's text raises a ValueError naming the file and line."""
     if bench == "mt-bench":
         return [row["turns"] for _, row in read_json_lines(asset_path("mt-bench"))]
     if bench == "humaneval":
         with gzip.open(asset_path("humaneval"), "rt") as f:
             return [[json.loads(line)["prompt"]] for line in f if line.strip()]
     path = Path(bench)
-    if not path.exists():
+    if not path.is_file():
         raise FileNotFoundError(f"--bench {bench!r}: not mt-bench, humaneval or an existing JSONL file")
     questions = []
     for place, row in read_json_lines(path):
         if "prompt" in row:
-            questions.append([row["prompt"]])
+            turns = [text_of(row["prompt"])]
         elif "messages" in row:
             try:
                 roles = {m["role"] for m in row["messages"]}
-                questions.append([m["content"] for m in row["messages"] if m["role"] == "user"])
+                turns = [text_of(m["content"]) for m in row["messages"] if m["role"] == "user"]
             except (KeyError, TypeError):
                 raise ValueError(f"{path}, {place}: 'messages' should be a list of {{role, content}} objects, got "
                                  f"{row['messages']!r:.80}") from None
@@ -114,6 +115,10 @@ def load_questions(bench: str) -> list[list[str]]:
                 raise ValueError(f"{path}, {place}: a system message, which eval-eagle does not send: leave it out")
         else:
             raise ValueError(f"{path}, {place}: expected a 'prompt' or 'messages' field")
+        if not turns or not all(isinstance(turn, str) for turn in turns):
+            raise ValueError(f"{path}, {place}: " + ("no user turn to ask" if not turns else
+                             "a user turn that is not text (a string, or a list of text parts)"))
+        questions.append(turns)
     return questions
 
 
@@ -169,7 +174,7 @@ def write_report(output: Path, report: dict, stats: Acceptance) -> None:
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     rows = [
         "| metric | value |", "|---|---|",
-        f"| τ (tokens per verification) | {stats.tau:.3f} |",
+        f"| τ (tokens per verification) | {_fmt(stats.tau, '.3f')} |",
         f"| verifications | {stats.verifications} |",
         f"| prompts skipped (refused) | {report['skipped']} |",
         f"| tokens/s, speculation on | {report['tokens_per_s']:.1f} |",
@@ -190,7 +195,8 @@ def write_report(output: Path, report: dict, stats: Acceptance) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(positions, stats.accept_rate, marker="o", label="accept rate (conditional)")
     ax.plot(positions, stats.reach, marker="s", label="reach")
-    ax.set(xlabel="draft position", ylabel="rate", ylim=(0, 1), title=f"per-position acceptance, τ = {stats.tau:.2f}")
+    ax.set(xlabel="draft position", ylabel="rate", ylim=(0, 1),
+           title=f"per-position acceptance, τ = {_fmt(stats.tau, '.2f')}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(output / "acceptance.png", dpi=120)
@@ -208,10 +214,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def evaluate(questions, client_on: Client, client_off: Client | None, depth: int, bench: str,
-             settings: dict, concurrency: int = 1) -> tuple[dict, Acceptance]:
-    """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps."""
+             settings: dict, concurrency: int = 1, measured=None) -> tuple[dict, Acceptance]:
+    """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps. measured(report,
+    stats), when given, is called with the speculative run's report before the baseline starts (so its failure loses
+    nothing), and again with the baseline's figures added."""
     spec = run_questions(client_on, questions, "speculation on", concurrency)
-    base = run_questions(client_off, questions, "speculation off", concurrency) if client_off else None
     stats = acceptance_stats([a for q in spec.accepted for a in q], depth)
     report = {
         "bench": bench,
@@ -220,13 +227,21 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
         "skipped": sum(spec.skipped),
         **asdict(stats),
         "tokens_per_s": spec.tokens_per_s,
-        "tokens_per_s_off": base.tokens_per_s if base else None,
-        "speedup": spec.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
+        "tokens_per_s_off": None,
+        "speedup": None,
         "per_question": [
             {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc, "skipped": skip}
             for a, n, acc, skip in zip(spec.answers, spec.new_tokens, spec.accepted, spec.skipped, strict=True)
         ],
     }
+    if measured:
+        measured(report, stats)
+    if client_off:
+        base = run_questions(client_off, questions, "speculation off", concurrency)
+        report["tokens_per_s_off"] = base.tokens_per_s
+        report["speedup"] = spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        if measured:
+            measured(report, stats)
     return report, stats
 
 
@@ -270,8 +285,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         questions = load_questions(args.bench)[: args.limit]
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # missing, a directory, unreadable, or a bad record
         parser.error(str(e))
+    if args.output.exists() and not args.output.is_dir():  # found out now, not after both runs
+        parser.error(f"--output {args.output}: a file; give a directory for the reports")
     if not questions:
         parser.error(f"--bench {args.bench}: no questions")
     settings = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -296,16 +313,26 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:  # a tree this head or context cannot hold
             parser.error(str(e))
         client_on = EngineClient(engine_on, tokenizer, params, args.max_new_tokens)
+        # The baseline answers what the speculative engine can: a tree's reserve leaves a prompt less room.
         client_off = None if args.no_baseline else EngineClient(
             Engine(target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks)),
-            tokenizer, params, args.max_new_tokens)
+            tokenizer, params, args.max_new_tokens, room_of=engine_on)
+    written = []  # reports written: the speculative run's, then with the baseline's figures
+
+    def write(report: dict, stats: Acceptance) -> None:
+        write_report(args.output, report, stats)
+        written.append(report)
+
     try:
         report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
-                                 args.concurrency)
+                                 args.concurrency, write)
     except EndpointError as e:  # a server gone or failing mid-run
-        raise SystemExit(f"eval-eagle: error: {e}") from None
-    write_report(args.output, report, stats)
+        kept = f" (the speculative run's report is in {args.output})" if written else ""
+        raise SystemExit(f"eval-eagle: error: {e}{kept}") from None
     print((args.output / "report.md").read_text())
+    if stats.verifications == 0:
+        log.warning("no verification was reported: τ and the acceptance rates are n/a (%s)", "an endpoint without "
+                    "serve-eagle's `eyas` statistics?" if args.endpoint else "every answer ended at its prefill")
     if not any(q["new_tokens"] for q in report["per_question"]):
         raise SystemExit(f"eval-eagle: error: every question's first prompt was refused (no room in the context to "
                          f"answer it): nothing was measured; report in {args.output}")

@@ -62,6 +62,25 @@ def test_cli_refuses_a_tokenizer_without_a_chat_template(smollm2_tokenizer, tmp_
     assert stopped.value.code == 2 and "its tokenizer has no chat template" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_tokenizer_larger_than_the_target_vocabulary(smollm2_tokenizer, tmp_path, capsys):
+    """A fine-tune that added tokens without resizing its config: refused by name (bincount's shape error before)."""
+    smollm2_tokenizer.save_pretrained(tmp_path / "target")
+    small = hf_config_dict("llama", vocab_size=len(smollm2_tokenizer) - 1)
+    (tmp_path / "target" / "config.json").write_text(json.dumps(small))
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", str(tmp_path / "target"), "--data", str(data), "--output", str(tmp_path / "freq.pt")])
+    assert stopped.value.code == 2 and (f"its tokenizer has {len(smollm2_tokenizer)} tokens, more than its config's "
+                                        f"vocab_size {len(smollm2_tokenizer) - 1}") in capsys.readouterr().err
+
+
+def test_counts_name_an_id_past_the_vocabulary():
+    ds = Dataset.from_dict({"input_ids": [[1, 7]], "loss_mask": [[1, 1]]})
+    with pytest.raises(ValueError, match="token id 7 is past the target's vocabulary of 6"):
+        token_counts(ds, vocab_size=6)
+
+
 def test_cli_names_a_file_without_a_usable_conversation(smollm2_tokenizer, tmp_path, capsys):
     smollm2_tokenizer.save_pretrained(tmp_path / "target")
     (tmp_path / "target" / "config.json").write_text(json.dumps(hf_config_dict("llama",

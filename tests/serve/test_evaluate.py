@@ -1,16 +1,18 @@
 """eval-eagle: acceptance statistics from a hand-built trace, and an end-to-end run on a tiny model."""
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
+import eyas.serve.evaluate as evaluate_module
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import save_eagle3
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
-from eyas.serve.clients import EndpointClient
+from eyas.serve.clients import EndpointClient, EngineClient
 from eyas.serve.evaluate import acceptance_stats, evaluate, load_questions, main
 from eyas.serve.sampling import SamplingParams
 from tests.conftest import make_hf_model
@@ -24,6 +26,7 @@ def test_acceptance_stats_by_hand():
     assert s.histogram == [1, 1, 1, 1] and s.verifications == 4
     chain = acceptance_stats([0, 0, 0, 0], depth=2)
     assert chain.tau == 1 and chain.accept_rate == [0.0, 0.0]
+    assert acceptance_stats([], depth=2).tau is None  # no verification: unknown, not a draft never accepted
 
 
 def test_acceptance_deeper_than_num_steps_widens_the_statistics(caplog):
@@ -46,6 +49,11 @@ def test_packaged_benchmarks_load():
     (['{"question": "Hi"}'], ["q.jsonl, line 1: expected a 'prompt' or 'messages' field"]),
     (['{"prompt": "Hi"}', '{"messages": [{"role": "system", "content": "Answer in French."}, {"role": "user", '
       '"content": "Hello"}]}'], ["q.jsonl, line 2: a system message, which eval-eagle does not send"]),
+    (['{"prompt": ["Hi"]}'], ["q.jsonl, line 1: a user turn that is not text"]),
+    (['{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'],
+     ["q.jsonl, line 1: a user turn that is not text"]),
+    (['{"prompt": "Hi"}', '{"messages": []}'], ["q.jsonl, line 2: no user turn to ask"]),
+    (['{"messages": [{"role": "assistant", "content": "Hi"}]}'], ["q.jsonl, line 1: no user turn to ask"]),
 ])
 def test_bad_prompt_file_is_named_by_line(tmp_path, capsys, lines, words):
     path = tmp_path / "q.jsonl"
@@ -87,10 +95,40 @@ def test_a_tree_the_head_cannot_draft_is_a_usage_error(tmp_path, capsys, monkeyp
 
 
 def test_prompt_file_questions(tmp_path):
+    """Prompts and user turns, OpenAI text parts joined by newlines (as training and the server read them)."""
     path = tmp_path / "q.jsonl"
     path.write_text('{"prompt": "One"}\n\n{"messages": [{"role": "user", "content": "Two"}, '
-                    '{"role": "assistant", "content": "A"}, {"role": "user", "content": "Three"}]}\n')
-    assert load_questions(str(path)) == [["One"], ["Two", "Three"]]
+                    '{"role": "assistant", "content": "A"}, {"role": "user", "content": "Three"}]}\n'
+                    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "Four"}, '
+                    '{"type": "text", "text": "Five"}]}]}\n')
+    assert load_questions(str(path)) == [["One"], ["Two", "Three"], ["Four\nFive"]]
+
+
+@pytest.mark.parametrize("flag, make, words", [
+    ("--bench", lambda path: path.mkdir(), "not mt-bench, humaneval or an existing JSONL file"),
+    ("--output", lambda path: path.write_text("x"), "a file; give a directory for the reports"),
+])
+def test_a_directory_bench_or_a_file_output_is_a_usage_error(tmp_path, capsys, flag, make, words):
+    """Found before any model loads (an output file failed after both runs, a directory bench with a traceback)."""
+    make(tmp_path / "given")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "unused", "--draft", "unused", "--bench", str(questions), flag, str(tmp_path / "given")])
+    assert stopped.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_baseline_answers_only_what_the_speculative_engine_can(smollm2_tokenizer):
+    """The speculative engine keeps more of its context free (a tree's reserve): a prompt it refuses, the baseline
+    refuses too, and a prompt it can answer in fewer tokens than --max-new-tokens, the baseline answers as long."""
+    added = []
+    off = SimpleNamespace(room=lambda n: 100, add_request=lambda ids, params, budget, stops: added.append(budget))
+    for room_on, expected in ((0, []), (3, [3]), (50, [8])):
+        added.clear()
+        client = EngineClient(off, smollm2_tokenizer, SamplingParams(temperature=0), 8,
+                              room_of=SimpleNamespace(room=lambda n, room_on=room_on: room_on))
+        client.submit([{"role": "user", "content": "Hi"}])
+        assert added == expected and len(client.refused) == (not expected)
 
 
 @pytest.mark.parametrize("tree, flag", [(["--num-steps", "3"], "--num-draft-tokens 8"),  # a chain of 3 holds 4
@@ -199,6 +237,41 @@ def test_a_run_whose_every_prompt_was_refused_has_no_speedup():
     client_off, _ = fake_endpoint({"One": (400, too_long)})
     report, _ = evaluate([["One"]], client_on, client_off, depth=3, bench="fake", settings={})
     assert report["skipped"] == 1 and report["tokens_per_s_off"] == 0 and report["speedup"] is None
+
+
+def test_a_failing_baseline_keeps_the_speculative_report(tmp_path, monkeypatch, capsys):
+    """The baseline server failing (here HTTP 500) ends the run, but the speculative run's report was written before
+    it started, without a speedup, and the error says where it is."""
+    failing = fake_endpoint({"One": (500, {"message": "out of memory"})})[0]
+    fakes = {"http://on/v1": fake_endpoint({})[0], "http://off/v1": failing}
+    monkeypatch.setattr(evaluate_module, "EndpointClient", lambda url, *args: fakes[url])
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"prompt": "One"}\n')
+    with pytest.raises(SystemExit) as stopped:
+        main(["--endpoint", "http://on/v1", "--endpoint-off", "http://off/v1", "--bench", str(questions),
+              "--num-steps", "3", "--output", str(tmp_path / "eval")])
+    assert "HTTP 500" in str(stopped.value) and f"report is in {tmp_path / 'eval'}" in str(stopped.value)
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    assert report["verifications"] == 1 and report["tau"] == 2 and report["speedup"] is None
+
+
+def test_an_endpoint_without_acceptance_statistics_has_no_tau(tmp_path, monkeypatch, caplog):
+    """A server that sends no `eyas` field (vLLM, OpenAI): τ is n/a, not 1 (a draft never accepted), with a warning."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "served"}]})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}}],
+                                         "usage": {"completion_tokens": 2}})
+
+    plain = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
+    monkeypatch.setattr(evaluate_module, "EndpointClient", lambda *args: plain)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"prompt": "One"}\n')
+    main(["--endpoint", "http://fake/v1", "--bench", str(questions), "--output", str(tmp_path / "eval")])
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    assert report["tau"] is None and report["verifications"] == 0
+    assert "| τ (tokens per verification) | n/a |" in (tmp_path / "eval/report.md").read_text()
+    assert "no verification was reported" in caplog.text
 
 
 def test_endpoint_without_models_asks_for_one():
