@@ -772,17 +772,20 @@ def _e4m3_unscale(dtype: tl.constexpr):
 
 
 def launch_config(N: int, K: int, float8: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a weight [N, K], from sweeps at Llama-3.1-8B's shapes on an H200
-    (docs/perf.md): short chunks of K (and fewer warps) for the wide gate/up and lm_head, whose thousands of programs
-    already keep enough loads in flight; for the narrow projections of a long K, 4 weight rows a program in long
-    chunks, so more programs share the weight (q/k/v 14.5 -> 12.7 µs). A float8 copy's partial sums take a sixteenth
-    of the registers (`_fused_linear_kernel`), so its programs hold chunks twice as long, or twice as many rows (an 8B
-    head's gate/up 38.1 -> 31.8 µs, down 18.7 -> 16.7: forty-third entry)."""
+    """(BLOCK_N, BLOCK_K, num_warps) for a weight [N, K], from sweeps of the kernel as it is (partial sums in
+    registers, `_partial_sums`) on an H200 (docs/perf.md, forty-fourth entry): a vocabulary's lm_head (and a small
+    model's wide projections) in short chunks of K over thousands of programs; Llama-3.1-8B's projections (K >= 4096)
+    8 rows a program in chunks of 2048 with 8 warps (q/k/v 14.0 -> 13.4 µs, gate/up 58.4 -> 56.3, down 30.2 -> 29.3);
+    SmolLM2's (K 576, 1536), latency-bound, in one or two chunks of 4 warps (down 2.1 -> 1.5 µs). A float8 copy's
+    partial sums take a sixteenth of the registers, so its programs hold chunks twice as long, or twice as many rows
+    (an 8B head's gate/up 38.1 -> 31.8 µs, down 18.7 -> 16.7: forty-third entry)."""
     if float8 and K >= 4096:
         return (16, 512, 4) if N >= 16384 else (8, 2048, 8)
-    if N >= 16384:
+    if N >= 65536 or (N >= 16384 and K < 4096):
         return 16, 256, 4
-    return (4, 2048, 4) if K >= 4096 else (16, 1024, 8)
+    if K >= 4096:
+        return 8, 2048, 8
+    return (8, 1024, 4) if K <= 1024 else (4, 2048, 4)
 
 
 @triton.jit
