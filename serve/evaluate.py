@@ -5,12 +5,13 @@
     eval-eagle --target T --draft D --bench prompts.jsonl        # {"prompt": str} or {"messages": [...]} per line
 
 In-process: every question runs with speculation on (the given tree) and, in the same run, off, so the
-speedup is measured, not assumed. Against a running `serve-eagle` (`--endpoint URL`), acceptance comes from
-each response's `eyas` field (give the server's `--num-steps`: it sizes the per-position statistics); give
-`--endpoint-off URL` (the same target with `--speculative off`) for the speedup. MT-bench runs both turns;
-the second turn follows the model's own first answer. No system message is added (the chat template's
-default applies), as in training. `--concurrency N` answers N questions of a turn together: τ is the same
-(a faster way to measure it), tokens/s becomes throughput at that concurrency.
+speedup is measured, not assumed; on a GPU both engines warm up first, untimed (CUDA graphs, Triton compiles).
+Against a running `serve-eagle` (`--endpoint URL`), acceptance comes from each response's `eyas` field (give the
+server's `--num-steps`: it sizes the per-position statistics); give `--endpoint-off URL` (the same target with
+`--speculative off`) for the speedup. MT-bench runs both turns; the second turn follows the model's own first
+answer. No system message is added (the chat template's default applies), as in training. `--concurrency N` answers
+N questions of a turn together: τ is the same (a faster way to measure it), tokens/s becomes throughput at that
+concurrency.
 
 Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
   τ              tokens per verification, bonus token included: mean over all verifications of (accepted + 1)
@@ -312,11 +313,15 @@ def main(argv: list[str] | None = None) -> None:
             engine_on = Engine(target, head, config)
         except ValueError as e:  # a tree this head or context cannot hold
             parser.error(str(e))
+        engine_off = None if args.no_baseline else Engine(
+            target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks))
+        if engine_on.device.type == "cuda":  # graphs captured and kernels compiled before, not in, the timed runs
+            for engine in filter(None, (engine_on, engine_off)):
+                engine.warm_up(progress=True)
         client_on = EngineClient(engine_on, tokenizer, params, args.max_new_tokens)
         # The baseline answers what the speculative engine can: a tree's reserve leaves a prompt less room.
-        client_off = None if args.no_baseline else EngineClient(
-            Engine(target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks)),
-            tokenizer, params, args.max_new_tokens, room_of=engine_on)
+        client_off = None if engine_off is None else EngineClient(engine_off, tokenizer, params, args.max_new_tokens,
+                                                                  room_of=engine_on)
     written = []  # reports written: the speculative run's, then with the baseline's figures
 
     def write(report: dict, stats: Acceptance) -> None:
