@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                       "--endpoint measures a running server, whose settings are its own")
     else:
         refuse_unread(parser, given, ("endpoint_off", "model"), "in-process, both engines are built here")
+    if args.no_baseline:
+        refuse_unread(parser, given, ("endpoint_off",), "--no-baseline runs no speculation-off baseline")
     require_positive(parser, args, "concurrency", "max_new_tokens", "limit")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
     params = sampling_params(parser, args)

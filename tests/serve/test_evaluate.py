@@ -222,6 +222,8 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, 
     (["--target", "t", "--draft", "d", "--endpoint-off", "http://x/v1", "--model", "m"],
      "in-process, both engines are built here: --endpoint-off, --model would be ignored"),
     (["--endpoint", "http://127.0.0.1:9/v1"], "http://127.0.0.1:9/v1: GET /models failed: "),  # nothing listens
+    (["--endpoint", "http://x/v1", "--endpoint-off", "http://y/v1", "--no-baseline"],
+     "--no-baseline runs no speculation-off baseline: --endpoint-off would be ignored"),
 ])
 def test_flags_the_mode_does_not_read_and_an_unreachable_endpoint_are_usage_errors(flags, words, capsys):
     with pytest.raises(SystemExit) as stopped:
