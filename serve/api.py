@@ -141,7 +141,7 @@ class _Generation(_Strict):
     temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    # int64, as the engine's draws take it (`sampling.position_uniforms`): a wider range would wrap.
+    # int64, as the engine's draws take it (`sampling.position_uniforms`).
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     # `_stop_strings` turns every form, the default None included, into a list of strings.
     stop: str | list[str] | None = Field(None, validate_default=True, description="up to 4 non-empty stop strings")

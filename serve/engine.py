@@ -68,7 +68,7 @@ from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
 from .kv_cache import KVPool
 from .rope import rope_tables
-from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, position_uniforms
+from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, position_uniforms, request_seed
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, gather_rows, root_only
 from .verify import follow_targets, verify_greedy, walk_sampling
@@ -119,7 +119,7 @@ class Request:
     cached: int = 0  # positions whose target KV is in the pool
     drafted: int = 0  # positions whose draft KV is in the pool: `cached`, or fewer after steps that drafted nothing
     draft: DraftState | None = None
-    seed: int = 0  # the request's draws (`sampling.position_uniforms`): its params' seed, or one drawn at random
+    seed: int = 0  # the request's draws (`sampling.position_uniforms`; `sampling.request_seed`)
     emitted: int = 0  # len(output) already handed out by `take_new_tokens`
 
     @property
@@ -291,8 +291,7 @@ class Engine:
             bad = next(i for i in prompt if not 0 <= i < vocab)
             raise ValueError(f"token id {bad} of the prompt is not in the target's vocabulary [0, {vocab})")
         request = Request(list(prompt), params, max_new_tokens, frozenset(stop_ids))
-        # An unseeded request's seed comes from torch's generator: torch.manual_seed makes a run repeat.
-        request.seed = params.seed if params.seed is not None else int(torch.randint(-(2**63), 2**63 - 1, ()))
+        request.seed = request_seed(params)
         self.waiting.append(request)
         return request
 
@@ -318,15 +317,16 @@ class Engine:
             self.step()
         return requests
 
-    def warm_up(self, new_tokens: int = 16, progress: bool = False) -> None:
+    def warm_up(self, new_tokens: int = 16, progress: bool = False, params: SamplingParams | None = None) -> None:
         """Before serving: at each batch bucket up to max_batch_size (each with its tree setting, as autotuned), a
         greedy generation of `new_tokens` on prompts of 31 and 32 tokens (Triton compiles a kernel variant for
         lengths that are a multiple of 16 and one for the rest), then a decode step of sampled requests, without and
         with top-p (each verifies in a graph of its own: `_target_pass`); then a greedy prompt of each longer length
         bucket that fits (`_prefill`'s graphs at batch 1). The CUDA graphs are captured and the kernels compiled before
         a request waits for them: seconds, which the first requests would otherwise pay. (A batch mixing greedy and
-        sampled requests captures its graph when it first runs.) Leaves no request and every block free. `progress`:
-        a bar on stderr, a step per batch size and one for the prompt lengths."""
+        sampled requests captures its graph when it first runs.) `params`: a sampled setting to warm up as well (a run
+        whose every request samples by it: eval-eagle's, which may filter by top-k). Leaves no request and every block
+        free. `progress`: a bar on stderr, a step per batch size and one for the prompt lengths."""
         vocab = self.target.config.vocab_size
         sizes = [b for b in BATCH_BUCKETS if b < self.config.max_batch_size] + [self.config.max_batch_size]
         lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
@@ -336,7 +336,7 @@ class Engine:
             for batch in sizes:
                 prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
                 self.generate(prompts, SamplingParams(temperature=0), new_tokens)
-                for sampled in (SamplingParams(), SamplingParams(top_p=0.95)):
+                for sampled in (SamplingParams(), SamplingParams(top_p=0.95), *([params] if params else [])):
                     self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
                 bar.update()
             for n in lengths:

@@ -773,9 +773,10 @@ def _e4m3_unscale(dtype: tl.constexpr):
 
 def launch_config(N: int, K: int, float8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight [N, K], from sweeps of the kernel as it is (partial sums in
-    registers, `_partial_sums`) on an H200 (docs/perf.md, forty-fourth entry): a vocabulary's lm_head (and a small
-    model's wide projections) in short chunks of K over thousands of programs; Llama-3.1-8B's projections (K >= 4096)
-    8 rows a program in chunks of 2048 with 8 warps (q/k/v 14.0 -> 13.4 µs, gate/up 58.4 -> 56.3, down 30.2 -> 29.3);
+    registers, `_partial_sums`) on an H200 (docs/perf.md, forty-fourth entry): a large vocabulary's lm_head (Llama 3's
+    128,256 rows) and a small model's wide projections in short chunks of K over thousands of programs; Llama-3.1-8B's
+    projections (K >= 4096) 8 rows a program in chunks of 2048 with 8 warps (q/k/v 14.0 -> 13.4 µs, gate/up's 28,672
+    rows 58.4 -> 56.3, down 30.2 -> 29.3), and so an 8B draft head's bf16 fc and 32,000-row lm_head (not timed);
     SmolLM2's (K 576, 1536), latency-bound, in one or two chunks of 4 warps (down 2.1 -> 1.5 µs). A float8 copy's
     partial sums take a sixteenth of the registers, so its programs hold chunks twice as long, or twice as many rows
     (an 8B head's gate/up 38.1 -> 31.8 µs, down 18.7 -> 16.7: forty-third entry)."""
@@ -968,14 +969,14 @@ def follow_targets(tokens: Tensor, parents: Tensor, targets: Tensor, node_valid:
     accepted = torch.empty(B, N, dtype=torch.long, device=tokens.device)
     num_accepted, bonus = (torch.empty(B, dtype=torch.long, device=tokens.device) for _ in range(2))
     tokens, parents, targets, node_valid = (x.contiguous() for x in (tokens, parents, targets, node_valid))
-    _follow_targets_kernel[(B,)](tokens, parents, node_valid, targets, accepted, num_accepted, bonus, N, STEPS=steps,
-                         BLOCK=triton.next_power_of_2(N), **launch_options(tokens.device))
+    _follow_targets_kernel[(B,)](tokens, parents, node_valid, targets, accepted, num_accepted, bonus, N,
+                                 STEPS=steps, BLOCK=triton.next_power_of_2(N), **launch_options(tokens.device))
     return accepted, num_accepted, bonus
 
 
 @jit
 def _follow_targets_kernel(tokens_ptr, parents_ptr, valid_ptr, target_ptr, accepted_ptr, num_ptr, bonus_ptr, N,
-                   STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                           STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)  # node indices

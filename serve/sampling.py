@@ -34,8 +34,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int64 or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -46,17 +47,25 @@ class SamplingParams:
 _GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
+def request_seed(params: SamplingParams) -> int:
+    """A sampled request's seed: its own, or one drawn from torch's generator (torch.manual_seed makes a run repeat);
+    0 for a greedy one, which draws nothing."""
+    if params.greedy:
+        return 0
+    return params.seed if params.seed is not None else int(torch.randint(-(2**63), 2**63 - 1, ()))
+
+
 def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """seeds [B] int64, positions [B, ...] int64 -> [B, ...] float32 uniforms in [0, 1), 24 bits each: splitmix64's
+    """seeds [B] int64, positions [B, ...] int64 -> [B, ...] float64 uniforms in [0, 1), 53 bits each: splitmix64's
     output for the state seed + (position + 1) * gamma. Counter-based: a request's draw at a position is the same
     whatever was drawn before it, so its sampled tokens do not depend on the trees, batches or plain steps that
     produced them. int64 arithmetic wraps (as the generator's unsigned arithmetic does); `_shifted` keeps shifts
     logical. A few launches of [B, N] integers, so the engine keeps them in its graphs."""
-    z = seeds.view(-1, *(1,) * (positions.dim() - 1)) + (positions + 1) * _GAMMA
+    z = seeds.long().view(-1, *(1,) * (positions.dim() - 1)) + (positions.long() + 1) * _GAMMA
     z = (z ^ _shifted(z, 30)) * _MIX1
     z = (z ^ _shifted(z, 27)) * _MIX2
     z = z ^ _shifted(z, 31)
-    return _shifted(z, 40).float() * 2.0**-24
+    return _shifted(z, 11).double() * 2.0**-53
 
 
 def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
@@ -66,11 +75,13 @@ def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: probs [..., V] (non-negative, each row some mass, unnormalised), uniforms [...] in [0, 1)
-    -> tokens [...], the first token whose cumulative mass exceeds uniform * the row's mass."""
+    -> tokens [...], the first token whose cumulative mass exceeds uniform * the row's mass. In float64, with
+    53-bit uniforms: a float32 sum over a 128k vocabulary, or 24-bit uniforms, would move about 1e-3 of the
+    distribution's mass between tokens."""
     V = probs.shape[-1]
-    cdf = probs.reshape(-1, V).cumsum(-1)  # [R, V]
+    cdf = probs.reshape(-1, V).double().cumsum(-1)  # [R, V]
     total = cdf[:, -1:].contiguous()
-    tokens = torch.searchsorted(cdf, uniforms.reshape(-1, 1) * total, right=True)
+    tokens = torch.searchsorted(cdf, uniforms.reshape(-1, 1).double() * total, right=True)
     # Rounding can put uniform * mass at the total: then the first token where the cdf reaches it, one with mass (the
     # cdf rises there), never a zeroed one.
     return torch.minimum(tokens, torch.searchsorted(cdf, total)).view(uniforms.shape)

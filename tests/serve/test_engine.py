@@ -17,7 +17,7 @@ from eyas.serve.attention.torch_sdpa import TorchPagedAttention
 from eyas.serve.cuda_graphs import GraphCache, length_bucket
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.fp8 import dequantize, quantize
-from eyas.serve.generate import greedy_tokens
+from eyas.serve.generate import greedy_tokens, target_tokens
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.transfer import to_device
 from eyas.serve.tree import TreeBuilder, top_log_probs
@@ -252,6 +252,19 @@ def test_a_draft_left_behind_without_speculation_catches_up(target, graphs, chun
     assert engine.pool.allocator.num_free == 64
 
 
+def test_seeded_sampling_is_the_targets_own(target):
+    """A seeded sampled request through the engine (a tree, chunked prefill) emits what the target alone samples
+    token by token (`target_tokens`: each token drawn at the position before it): the prefill's first token and
+    every step's are keyed alike."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=123)
+    ps = prompts(2, target.config.vocab_size, seed=3)
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
+                                                               max_prefill_tokens=16))
+    outputs = [r.output for r in engine.generate(ps, params, max_new_tokens=20)]
+    assert outputs == [list(target_tokens(target, p, 20, params=params)) for p in ps]
+    assert outputs != [list(greedy_tokens(target, p, 20)) for p in ps]
+
+
 def test_a_seeded_request_draws_the_same_tokens_with_any_tree_or_none(target):
     """A seeded sampled request's draws belong to its positions (`sampling.position_uniforms`): beside a greedy
     request, it emits the same tokens without speculation, with a chain, with a tree, and on a server that stops
@@ -479,7 +492,7 @@ def sampled_run(target, ps, params, monkeypatch):
 
 def test_sampled_decoding_is_the_same_padded_or_not(target, monkeypatch):
     """Seeded sampled requests (temperature 0.8, one with top-p) draw the same tokens whether their batch is padded to
-    its bucket (3 -> 4 rows, as CUDA graphs run it) or not: parameters and coins reach their own rows; and every
+    its bucket (3 -> 4 rows, as CUDA graphs run it) or not: parameters and seeds reach their own rows; and every
     decode step verifies them by sampling."""
     ps = prompts(3, target.config.vocab_size, seed=6)
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_p=0.9, seed=2),
@@ -689,6 +702,19 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     ps = prompts(3, target.config.vocab_size)
     fresh = Engine(target, random_head(target), config).generate(ps, GREEDY, max_new_tokens=12)
     assert [r.output for r in generate(ps, GREEDY, max_new_tokens=12)] == [r.output for r in fresh]
+
+
+def test_warm_up_takes_a_runs_own_sampling(target, monkeypatch):
+    """A run's own sampled setting (eval-eagle's, here with top-k, whose graphs and kernels the defaults do not
+    build) is warmed up too, at each batch size."""
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
+                                                               max_batch_size=2))
+    warmed, generate = [], engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ps, params, *args: warmed.append((len(ps), params)) or
+                        generate(ps, params, *args))
+    own = SamplingParams(temperature=0.7, top_k=5)
+    engine.warm_up(new_tokens=2, params=own)
+    assert [b for b, params in warmed if params == own] == [1, 2]
 
 
 @pytest.mark.parametrize("speculative", [False, True])

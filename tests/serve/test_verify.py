@@ -204,7 +204,7 @@ def test_one_uniform_for_every_position_fails_the_test(monkeypatch):
 
 
 def test_position_uniforms_are_splitmix64():
-    """The draws are splitmix64's outputs (its top 24 bits) at state seed + (position + 1) * gamma, computed here with
+    """The draws are splitmix64's outputs (its top 53 bits) at state seed + (position + 1) * gamma, computed here with
     Python's unbounded integers: seed 0's first is 0xe220a8397b1dcdaf, the generator's published first output."""
     mask = (1 << 64) - 1
 
@@ -212,9 +212,9 @@ def test_position_uniforms_are_splitmix64():
         z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        return ((z ^ (z >> 31)) >> 40) / 2**24
+        return ((z ^ (z >> 31)) >> 11) / 2**53
 
-    assert reference(0, 0) == (0xE220A8397B1DCDAF >> 40) / 2**24
+    assert reference(0, 0) == (0xE220A8397B1DCDAF >> 11) / 2**53
     seeds = torch.tensor([0, 1, -5, 2**62, -(2**63)])
     positions = torch.tensor([[0, 1, 2, 1000, 2**40]] * 5)
     expected = [[reference(s % (1 << 64), p) for p in positions[0].tolist()] for s in seeds.tolist()]
@@ -295,16 +295,17 @@ def test_sampling_never_accepts_padding():
 
 
 def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypatch):
-    """With top-k 2 and the root's two children holding the two kept tokens, a uniform just below 1 draws the second
-    child whose cumulative mass can round to just below the total: the draw must still be a token the target can
-    emit (never one after it in the vocabulary, outside the top 2)."""
+    """With top-k 2 and the root's two children holding the two kept tokens, a uniform just below 1 times the mass
+    can round to the total: the draw must still be a token the target can emit (never one after the last kept token in
+    the vocabulary, outside the top 2)."""
     B, V = 256, 16
     logits = torch.randn(B, 3, V, generator=torch.Generator().manual_seed(0))
     top2 = logits[:, 0].topk(2).indices  # [B, 2]
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), top2], 1)
     parents = torch.tensor([[-1, 0, 0]] * B)
     params = SamplingParams(top_k=2)
-    monkeypatch.setattr(verify, "position_uniforms", lambda seeds, positions: torch.full(positions.shape, 1 - 2**-24))
+    monkeypatch.setattr(verify, "position_uniforms",
+                        lambda seeds, positions: torch.full(positions.shape, 1 - 2**-53, dtype=torch.float64))
     acc, n, bonus = verify_sampling(tokens, parents, logits, torch.ones(B, 3, dtype=torch.bool), params,
                                     *seeded(B, parents))
     last = acc.gather(1, n[:, None])[:, 0]  # the node the bonus follows
@@ -342,6 +343,7 @@ def test_params_validation():
         (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),
         (dict(seed="1"), "seed"),
+        (dict(seed=2**63), "seed"),  # int64 only: the draws' arithmetic is int64's
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
