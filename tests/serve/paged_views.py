@@ -33,6 +33,7 @@ class Case:
     padding: int = 0  # last rows: no prefix, all-False window (output must be exactly 0)
     num_splits: int | None = None  # None: the backend's choice
     seed: int = 0
+    q_scale: float = 1.0  # sharp scores: past 11 or so, half-precision exp overflows without the running max
 
 
 # The CUDA cases every backend is tested on: the engine's shapes (Llama-3.1-8B: Hkv 8 x group 4, D 128;
@@ -55,6 +56,8 @@ GPU_CASES = [
     Case("tree", B=3, T=5, W=20, max_prefix=3000, Hkv=4, group=1, dtype=torch.float32),
     Case("tree", B=2, T=4, W=4, max_prefix=5000, num_splits=7),
     Case("tree", B=64, T=1, W=1, max_prefix=100, num_splits=3, padding=7),  # many empty splits
+    Case("tree", B=1, T=1, W=1, max_prefix=8192, dtype=torch.float32),  # split-KV where one lost tile shows
+    Case("tree", B=4, T=8, W=8, max_prefix=4096, dtype=torch.float16, num_splits=8, q_scale=16),
 ]
 
 
@@ -65,7 +68,7 @@ def make_view(case: Case, device: str):
     real = torch.arange(c.B) < c.B - c.padding
     prefix = torch.randint(0, c.max_prefix + 1, (c.B,), generator=gen)
     prefix[0] = 0  # window only
-    prefix[1 % c.B] = c.max_prefix
+    prefix[min(1, c.B - c.padding - 1)] = c.max_prefix  # a real row's (row 0's when it is the only one)
     prefix = torch.where(real, prefix, 0)
 
     t = torch.arange(c.T)[:, None] + (c.W - c.T)  # window key of query t
@@ -91,7 +94,7 @@ def make_view(case: Case, device: str):
     for cache in (pool.k, pool.v):
         cache[LAYER][cached] = torch.randn(len(cached), c.Hkv, c.D, generator=data, device=device).to(c.dtype)
 
-    q = torch.randn(c.B, c.T, c.Hkv * c.group, c.D, generator=data, device=device)
+    q = torch.randn(c.B, c.T, c.Hkv * c.group, c.D, generator=data, device=device) * c.q_scale
     k, v = (torch.randn(c.B, c.T, c.Hkv, c.D, generator=data, device=device) for _ in range(2))
     q, k, v = (x.to(c.dtype) for x in (q, k, v))
     return pool, block_table.to(device), prefix.int().to(device), mask.to(device), q, k, v
@@ -127,8 +130,9 @@ def compare(case: Case, device: str, backend) -> float:
 
 def case_id(case: Case) -> str:
     splits = "" if case.num_splits is None else f"-s{case.num_splits}"
+    sharp = "" if case.q_scale == 1 else f"-q{case.q_scale:g}"
     return (f"{case.kind}-B{case.B}-T{case.T}-W{case.W}-P{case.max_prefix}-g{case.group}-D{case.D}-"
-            f"{str(case.dtype)[6:]}-bs{case.block_size}{splits}")
+            f"{str(case.dtype)[6:]}-bs{case.block_size}{splits}{sharp}")
 
 
 def dense_attention(pool: KVPool, block_table, prefix_lens, window_mask, q, k, v):

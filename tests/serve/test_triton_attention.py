@@ -36,8 +36,9 @@ def test_matches_torch_on_cuda(case):
 
 @pytest.mark.gpu
 def test_cuda_graph_replays_new_lengths():
-    """Captured once, replayed on new lengths, masks and block tables: nothing was fixed at capture time."""
-    case = Case("tree", B=2, T=8, W=16, max_prefix=3000, padding=1)
+    """Captured once, replayed on new lengths, masks and block tables: nothing was fixed at capture time (row 2's
+    prefix is random: the replays read other lengths than the capture's)."""
+    case = Case("tree", B=4, T=8, W=16, max_prefix=3000, padding=1)
     pool, block_table, prefix_lens, window_mask, q, k, v = make_view(case, "cuda")
     args = (pool, block_table, prefix_lens, window_mask)
     triton_paged.TritonPagedAttention(*args).attend(LAYER, q, k, v)  # compile outside the capture
@@ -46,6 +47,7 @@ def test_cuda_graph_replays_new_lengths():
         out = triton_paged.TritonPagedAttention(*args).attend(LAYER, q, k, v)
     for seed in (1, 2):
         new = make_view(replace(case, seed=seed), "cuda")
+        assert not torch.equal(new[2], prefix_lens) and new[2].min() == 0 and new[2].max() == 3000
         for static, fresh in zip((block_table, prefix_lens, window_mask, q, k, v), new[1:], strict=True):
             static.copy_(fresh)
         for cache, fresh in ((pool.k, new[0].k), (pool.v, new[0].v)):
@@ -66,6 +68,9 @@ CPU_CASES = [
     Case("tree", B=3, T=4, W=12, max_prefix=20, Hkv=1, D=64, dtype=H, num_splits=5, padding=1),  # empty splits
     Case("causal", B=2, T=80, W=80, max_prefix=33, Hkv=1, group=1, D=64, dtype=H),  # 2 row tiles x 2 window tiles
     Case("causal", B=2, T=20, W=20, max_prefix=47, Hkv=1, group=4, D=64, dtype=torch.float32, num_splits=2),
+    Case("tree", B=2, T=4, W=8, max_prefix=100, Hkv=1, group=2, D=64, dtype=H, num_splits=3, q_scale=16),  # sharp
+    # Grouped heads over two window tiles, row 1's prefix ending on a block boundary (64 = 4 blocks of 16).
+    Case("causal", B=2, T=70, W=70, max_prefix=64, Hkv=2, group=2, D=64, dtype=H),
 ]
 
 
