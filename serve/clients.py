@@ -98,9 +98,9 @@ class EndpointError(RuntimeError):
 class EndpointClient(Client):
     """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt. A running
     `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
-    texts and token counts only. A prompt too long for the server's context (HTTP 400, code
-    `context_length_exceeded`, as serve-eagle and OpenAI send it) is refused here too, with a warning; any other
-    failure raises. `model` None: the first model the endpoint lists (serve-eagle serves one)."""
+    texts and token counts only. A prompt too long for the server's context (HTTP 400 that says so: `_too_long`) is
+    refused here too, with a warning; any other failure raises. A reply whose content is null is an empty answer.
+    `model` None: the first model the endpoint lists (serve-eagle serves one)."""
 
     def __init__(self, base_url: str, model: str | None, params: SamplingParams, max_new_tokens: int,
                  transport=None):
@@ -134,14 +134,15 @@ class EndpointClient(Client):
         response = self._request("POST", "/chat/completions", json={**self.body, "messages": prompt})
         # Only a prompt too long for the context is skipped: any other 400 (settings, a malformed conversation)
         # would fail every prompt alike.
-        if response.status_code == 400 and (error := _error(response)).get("code") == "context_length_exceeded":
+        if response.status_code == 400 and _too_long(error := _error(response)):
             log.warning("%s refused the prompt %r, skipped: %s", self.base_url, prompt[-1]["content"][:60],
                         error.get("message"))
             return None
         if response.status_code != 200:
             raise EndpointError(f"{self.base_url}: HTTP {response.status_code}: {response.text[:500]}")
+        # Content null (a reasoning model cut off while thinking, a refusal): an empty answer.
         answer = _field(response, lambda data: Answer(
-            data["choices"][0]["message"]["content"].strip(), data["usage"]["completion_tokens"],
+            (data["choices"][0]["message"]["content"] or "").strip(), data["usage"]["completion_tokens"],
             (data.get("eyas") or {}).get("accepted_per_step") or []))
         if answer is None:
             raise EndpointError(f"{self.base_url}: POST /chat/completions gave HTTP 200 but not an OpenAI chat "
@@ -175,6 +176,12 @@ def _field(response, read):
         return read(response.json())
     except (ValueError, LookupError, TypeError, AttributeError):
         return None
+
+
+def _too_long(error: dict) -> bool:
+    """Whether an OpenAI-shaped error blames the prompt's length: OpenAI's and serve-eagle's code, or vLLM's ("This
+    model's maximum context length is ...") and SGLang's ("... longer than the model's context length") message."""
+    return error.get("code") == "context_length_exceeded" or "context length" in str(error.get("message", "")).lower()
 
 
 def _error(response) -> dict:

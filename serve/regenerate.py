@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="end a conversation before a turn whose prompt is longer (e.g. training's max_length; "
                         "in-process only)")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
-                        help="take conversations I, I+N, I+2N, ... (e.g. 0/2 and 1/2 on two GPUs)")
+                        help="take conversations I, I+N, I+2N, ... (e.g. 0/2 with --device cuda:0 and 1/2 with "
+                        "--device cuda:1, each to its own --output)")
     add_engine_arguments(parser, draft=False)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

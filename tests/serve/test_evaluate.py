@@ -328,6 +328,32 @@ def test_endpoint_refusing_a_prompt_skips_it(caplog):
     assert "question 2/3, turn 1" in warnings and "the prompt has 900 tokens" in warnings and "'Long'" in warnings
 
 
+@pytest.mark.parametrize("error", [
+    {"message": "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens.",
+     "code": 400},  # vLLM's
+    {"message": "The input (5000 tokens) is longer than the model's context length (4096 tokens).", "code": None},
+])
+def test_other_servers_refusing_a_long_prompt_skip_it(error):
+    """vLLM and SGLang say a prompt is too long in their message, not OpenAI's code: skipped, the run goes on (it
+    stopped there, and a rerun of regeneration stopped there again)."""
+    client, sent = fake_endpoint({"Long": (400, error)})
+    report, _ = evaluate([["Long"], ["One"]], client, None, depth=3, bench="fake", settings={})
+    assert [q["skipped"] for q in report["per_question"]] == [True, False] and "One" in sent
+
+
+def test_a_reply_without_content_is_an_empty_answer():
+    """Content null (a reasoning model cut off while thinking, a refusal) is an empty answer, not a failed run."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "served"}]})
+        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": None}}],
+                                         "usage": {"completion_tokens": 16}})
+
+    client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
+    (answer,) = client.answer([[{"role": "user", "content": "Think"}]])
+    assert answer.text == "" and answer.new_tokens == 16
+
+
 @pytest.mark.parametrize("status, error", [(400, {"param": "temperature", "message": "temperature: too hot"}),
                                            (400, {"param": "messages", "message": "messages.0.role: bad role"}),
                                            (500, {"param": None, "message": "internal error"})])
