@@ -216,8 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         target, _, tokenizer, _ = load_models_for(parser, args.target, device=args.device)
         config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
-        client = EngineClient(Engine(target, None, config), tokenizer, params, args.max_new_tokens,
-                              args.max_prompt_tokens)
+        try:
+            engine = Engine(target, None, config)
+        except ValueError as e:  # a backend this device cannot run (--attention triton on a CPU)
+            parser.error(str(e))
+        client = EngineClient(engine, tokenizer, params, args.max_new_tokens, args.max_prompt_tokens)
     try:
         n = regenerate_file(data, args.output, client, args.batch_size, args.limit, args.shard)
     except EndpointError as e:  # failing mid-run: every finished conversation is written

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import render_chat, stop_token_ids
@@ -167,6 +168,21 @@ def test_missing_data_is_a_usage_error_before_the_target_loads(tmp_path, capsys)
         regenerate_module.main(["--data", str(missing), "--output", str(tmp_path / "out.jsonl"), "--target", "unused"])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and f"argument --data: data '{missing}' is neither an existing path" in err
+
+
+def test_a_backend_the_device_cannot_run_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """--attention flashinfer on a CPU: a usage error naming the need (a ValueError traceback before)."""
+    from eyas.common.architectures import random_target
+
+    target = random_target("tiny", torch.float32, "cpu")
+    monkeypatch.setattr(regenerate_module, "load_models_for", lambda *args, **kwargs: (target, None, None, None))
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"messages": conv("q", "old")}) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "out.jsonl"), "--target", "t",
+                                "--attention", "flashinfer", "--device", "cpu"])
+    assert stopped.value.code == 2 and "the flashinfer attention backend needs a CUDA device" in (
+        capsys.readouterr().err)
 
 
 def test_engine_client_is_the_target_greedy_answer(smollm2_tokenizer, tmp_path):
