@@ -68,7 +68,7 @@ from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
 from .kv_cache import KVPool
 from .rope import rope_tables
-from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, position_uniforms, request_seed
+from .sampling import TORCH_PROBS, SamplingParams, SamplingRows, request_seed
 from .transfer import to_device
 from .tree import DraftKernels, DraftTree, gather_rows, root_only
 from .verify import follow_targets, verify_greedy, walk_sampling
@@ -324,9 +324,9 @@ class Engine:
         with top-p (each verifies in a graph of its own: `_target_pass`); then a greedy prompt of each longer length
         bucket that fits (`_prefill`'s graphs at batch 1). The CUDA graphs are captured and the kernels compiled before
         a request waits for them: seconds, which the first requests would otherwise pay. (A batch mixing greedy and
-        sampled requests captures its graph when it first runs.) `params`: a sampled setting to warm up as well (a run
-        whose every request samples by it: eval-eagle's, which may filter by top-k). Leaves no request and every block
-        free. `progress`: a bar on stderr, a step per batch size and one for the prompt lengths."""
+        sampled requests captures its graph when it first runs.) `params`: a run's own setting, warmed up as well
+        where it samples (eval-eagle's, which may filter by top-k). Leaves no request and every block free.
+        `progress`: a bar on stderr, a step per batch size and one for the prompt lengths."""
         vocab = self.target.config.vocab_size
         sizes = [b for b in BATCH_BUCKETS if b < self.config.max_batch_size] + [self.config.max_batch_size]
         lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
@@ -336,7 +336,8 @@ class Engine:
             for batch in sizes:
                 prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
                 self.generate(prompts, SamplingParams(temperature=0), new_tokens)
-                for sampled in (SamplingParams(), SamplingParams(top_p=0.95), *([params] if params else [])):
+                for sampled in (SamplingParams(), SamplingParams(top_p=0.95),
+                                *([params] if params and not params.greedy else [])):
                     self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
                 bar.update()
             for n in lengths:
@@ -673,8 +674,8 @@ class Engine:
                         ) -> tuple[Tensor, ...]:
         """`walk_sampling` on graph inputs: the rows' parameter tensor and `flags` stand for their `SamplingRows`;
         each row draws with its seed at the nodes' positions."""
-        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags),
-                             position_uniforms(seeds, positions), depth, self.follow_targets, self.probs_kernels)
+        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags), seeds, positions,
+                             depth, self.follow_targets, self.probs_kernels)
 
     def _accept(
         self, requests: list[Request], shape: TreeShape | None, depth: int, tree: DraftTree, n: Tensor,

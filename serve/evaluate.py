@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks))
         if engine_on.device.type == "cuda":  # graphs captured and kernels compiled before, not in, the timed runs
             for engine in filter(None, (engine_on, engine_off)):
-                engine.warm_up(progress=True, params=None if params.greedy else params)
+                engine.warm_up(progress=True, params=params)
         client_on = EngineClient(engine_on, tokenizer, params, args.max_new_tokens)
         # The baseline answers what the speculative engine can: a tree's reserve leaves a prompt less room.
         client_off = None if engine_off is None else EngineClient(engine_off, tokenizer, params, args.max_new_tokens,

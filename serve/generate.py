@@ -14,7 +14,7 @@ from eyas.common.target import TargetModel
 
 from .attention.torch_sdpa import TorchPagedAttention
 from .kv_cache import KVPool
-from .sampling import SamplingParams, SamplingRows, position_uniforms, request_seed, sample, target_probs
+from .sampling import SamplingParams, SamplingRows, draw, request_seed
 
 
 def greedy_tokens(model: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
@@ -61,7 +61,7 @@ def target_tokens(
         attn = TorchPagedAttention(pool, table, prefix, causal_mask(len(new), device)[None])
         logits = model.logits(model(new[None], positions[None], attn).hidden[0, -1:]).float()  # [1, V]
         if sampled:  # drawn at the last position, end - 1
-            token = int(sample(target_probs(logits, rows), position_uniforms(seed, positions[-1:]))[0])
+            token = int(draw(logits, rows, seed, positions[-1:]))
         else:
             token = int(logits.argmax())
         yield token

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .sampling import TORCH_PROBS, ProbsKernels, SamplingParams, SamplingRows, position_uniforms, sample, target_probs
+from .sampling import ProbsKernels, SamplingParams, SamplingRows, draw
 
 Follow = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # `follow_targets`' signature
 
@@ -83,11 +83,9 @@ def verify_sampling(
     positions: torch.Tensor,
     max_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`walk_sampling` by `params` (one SamplingParams or one per request) with each request's seed, seeds [B] int64,
-    drawing at each node's position, positions [B, N] (the sequence position of the node's own token)."""
-    B = tokens.shape[0]
-    sampling = SamplingRows.of(params, B, logits.shape[-1], tokens.device)
-    return walk_sampling(tokens, parents, logits, node_valid, sampling, position_uniforms(seeds, positions), max_depth)
+    """`walk_sampling` by `params`: one SamplingParams or one per request."""
+    sampling = SamplingRows.of(params, tokens.shape[0], logits.shape[-1], tokens.device)
+    return walk_sampling(tokens, parents, logits, node_valid, sampling, seeds, positions, max_depth)
 
 
 def walk_sampling(
@@ -96,15 +94,17 @@ def walk_sampling(
     logits: torch.Tensor,
     node_valid: torch.Tensor,
     sampling: SamplingRows,
-    uniforms: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
     max_depth: int | None = None,
     follow: Follow | None = None,
     probs_kernels: ProbsKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless tree speculative sampling for a deterministic draft (top-k children, no draft probs): at every node
-    the target draws its next token, by inverse CDF from its distribution p there (`target_probs`) with the node's
-    uniform, uniforms [B, N] (`sampling.position_uniforms` of the node's position); then the walk follows the drawn
-    tokens down the tree (`follow_targets`), and the draw after the last accepted node is the bonus.
+    the target draws its next token (`sampling.draw`: by inverse CDF from its distribution p there, with the uniform
+    of each request's seed, seeds [B] int64, at the node's position, positions [B, N], the sequence position of the
+    node's own token); then the walk follows the drawn tokens down the tree (`follow_targets`), and the draw after
+    the last accepted node is the bonus.
 
     Why the output is distributed exactly as the target's own sampling: the token emitted at each position is the
     target's inverse-CDF draw from p there, p given the tokens before it, with that position's uniform; uniforms at
@@ -120,8 +120,8 @@ def walk_sampling(
     follow: `follow_targets`, or the fused kernel that equals it (the engine's on CUDA); probs_kernels:
     `target_probs`'s, likewise. Nothing is read on the host: the engine runs this in the target pass's CUDA graph.
     """
-    probs = target_probs(logits, sampling, probs_kernels or TORCH_PROBS)  # [B, N, V] float32
-    return (follow or follow_targets)(tokens, parents, sample(probs, uniforms), node_valid, max_depth)
+    targets = draw(logits, sampling, seeds, positions, probs_kernels)  # [B, N]
+    return (follow or follow_targets)(tokens, parents, targets, node_valid, max_depth)
 
 
 def _first_true(mask: torch.Tensor) -> torch.Tensor:

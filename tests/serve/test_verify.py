@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import eyas.serve.verify as verify
+import eyas.serve.sampling as sampling
 from eyas.serve.sampling import (
     TORCH_PROBS,
     SamplingParams,
@@ -16,6 +16,7 @@ from eyas.serve.sampling import (
     sample,
     target_probs,
 )
+from eyas.serve.tree import ancestor_mask
 from eyas.serve.verify import verify_greedy, verify_sampling
 
 V = 6  # tiny vocab for the statistical tests
@@ -134,11 +135,10 @@ def target_first_two(tree, params):
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
-    """parents [..., N] -> each node's depth [..., N] (the root's 0): its position past the root's."""
-    depth = torch.zeros_like(parents)
-    for j in range(1, parents.shape[-1]):
-        depth[..., j] = depth.gather(-1, parents[..., j : j + 1].clamp(min=0))[..., 0] + 1
-    return depth
+    """parents [..., N] -> each node's depth [..., N] (the root's 0), its position past the root's: its ancestors'
+    count, as the drafter's trees give it."""
+    N = parents.shape[-1]
+    return ancestor_mask(parents.reshape(-1, N), N - 1).sum(-1).view(parents.shape) - 1
 
 
 def speculative_first_two(tree, params, seed=0):
@@ -155,7 +155,7 @@ def speculative_first_two(tree, params, seed=0):
     emitted.scatter_(1, n[:, None], bonus[:, None])  # the bonus right after the accepted drafts
     first, second = emitted[:, 0], emitted[:, 1]
     _, cond = target_first_two(tree, params)
-    next_step = sample(cond[first].float(), verify.position_uniforms(seeds, torch.ones(DRAWS, dtype=torch.long)))
+    next_step = sample(cond[first].float(), sampling.position_uniforms(seeds, torch.ones(DRAWS, dtype=torch.long)))
     return first, torch.where(n == 0, next_step, second)
 
 
@@ -186,7 +186,8 @@ def test_sampling_is_exact(tree, params):
 
 def test_biased_draws_fail_the_test(monkeypatch):
     """Uniforms squared (draws leaning to the vocabulary's first tokens) give a first token the test rejects."""
-    monkeypatch.setattr(verify, "position_uniforms", lambda seeds, positions: position_uniforms(seeds, positions) ** 2)
+    monkeypatch.setattr(sampling, "position_uniforms",
+                        lambda seeds, positions: position_uniforms(seeds, positions) ** 2)
     p1, _ = target_first_two(TREE, PARAMS[0])
     first, _ = speculative_first_two(TREE, PARAMS[0])
     assert chi2_pvalue(first, p1) < P_MIN
@@ -195,7 +196,7 @@ def test_biased_draws_fail_the_test(monkeypatch):
 def test_one_uniform_for_every_position_fails_the_test(monkeypatch):
     """A request's draws not keyed to their position (one uniform for all): each token alone is drawn from its
     distribution, but the two are not independent, and the joint test rejects them."""
-    monkeypatch.setattr(verify, "position_uniforms",
+    monkeypatch.setattr(sampling, "position_uniforms",
                         lambda seeds, positions: position_uniforms(seeds, torch.zeros_like(positions)))
     p1, cond = target_first_two(TREE, PARAMS[0])
     first, second = speculative_first_two(TREE, PARAMS[0])
@@ -304,7 +305,7 @@ def test_children_holding_all_the_mass_never_yield_an_impossible_bonus(monkeypat
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), top2], 1)
     parents = torch.tensor([[-1, 0, 0]] * B)
     params = SamplingParams(top_k=2)
-    monkeypatch.setattr(verify, "position_uniforms",
+    monkeypatch.setattr(sampling, "position_uniforms",
                         lambda seeds, positions: torch.full(positions.shape, 1 - 2**-53, dtype=torch.float64))
     acc, n, bonus = verify_sampling(tokens, parents, logits, torch.ones(B, 3, dtype=torch.bool), params,
                                     *seeded(B, parents))
