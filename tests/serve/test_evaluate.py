@@ -194,9 +194,13 @@ def test_eval_eagle_against_running_servers(tmp_path):
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_off"])
 
 
-def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, list[str]]:
-    """An EndpointClient whose server answers every prompt "ok" (2 tokens, 1 draft token accepted), except the
-    prompts in `errors` (by their last turn), answered (status, error object); and the last turns it was sent."""
+ANSWER = {"choices": [{"message": {"role": "assistant", "content": "ok"}}], "usage": {"completion_tokens": 2},
+          "eyas": {"accepted_per_step": [1]}}  # serve-eagle's: 2 tokens, 1 draft token accepted
+
+
+def fake_endpoint(errors: dict[str, tuple[int, dict]], answer: dict = ANSWER) -> tuple[EndpointClient, list[str]]:
+    """An EndpointClient whose server answers every prompt `answer`, except the prompts in `errors` (by their last
+    turn), answered (status, error object); and the last turns it was sent."""
     sent = []
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -208,8 +212,7 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]]) -> tuple[EndpointClient, 
         if prompt in errors:
             status, error = errors[prompt]
             return httpx.Response(status, json={"error": {"type": "invalid_request_error", "code": None, **error}})
-        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": "ok"}}],
-                                         "usage": {"completion_tokens": 2}, "eyas": {"accepted_per_step": [1]}})
+        return httpx.Response(200, json=answer)
 
     client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
     return client, sent
@@ -259,13 +262,7 @@ def test_a_failing_baseline_keeps_the_speculative_report(tmp_path, monkeypatch, 
 
 def test_an_endpoint_without_acceptance_statistics_has_no_tau(tmp_path, monkeypatch, caplog):
     """A server that sends no `eyas` field (vLLM, OpenAI): τ is n/a, not 1 (a draft never accepted), with a warning."""
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/models"):
-            return httpx.Response(200, json={"data": [{"id": "served"}]})
-        return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}}],
-                                         "usage": {"completion_tokens": 2}})
-
-    plain = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
+    plain, _ = fake_endpoint({}, {key: value for key, value in ANSWER.items() if key != "eyas"})
     monkeypatch.setattr(evaluate_module, "EndpointClient", lambda *args: plain)
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"prompt": "One"}\n')
@@ -343,13 +340,8 @@ def test_other_servers_refusing_a_long_prompt_skip_it(error):
 
 def test_a_reply_without_content_is_an_empty_answer():
     """Content null (a reasoning model cut off while thinking, a refusal) is an empty answer, not a failed run."""
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/models"):
-            return httpx.Response(200, json={"data": [{"id": "served"}]})
-        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": None}}],
-                                         "usage": {"completion_tokens": 16}})
-
-    client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
+    client, _ = fake_endpoint({}, {"choices": [{"message": {"role": "assistant", "content": None}}],
+                                   "usage": {"completion_tokens": 16}})
     (answer,) = client.answer([[{"role": "user", "content": "Think"}]])
     assert answer.text == "" and answer.new_tokens == 16
 
