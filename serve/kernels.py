@@ -74,14 +74,15 @@ _releasing_late = False
 @contextlib.contextmanager
 def releasing_late(on: bool = True):
     """Kernels launched within it (or captured, a CUDA graph's) let the next kernel launch only as their programs end,
-    not at once, and long calls (`long_call`) launch under programmatic dependent launch too. Where a kernel is
-    launched as the one before ends and lets the next launch at once, a streaming matmul after it (72 KB of shared
-    memory a program) had its programs packed three to an SM on a third of the SMs; launched late, they spread
-    (docs/perf.md, thirty-seventh entry). The engine releases late in a speculative step's passes on a target whose
-    matmuls stream tens of µs a call (`Engine`): with every kernel released late an 8B target's (5, 4, 8) step took
-    5.33 against 5.48 ms, but its plain step 4.10 against 4.02, and SmolLM2's (8, 8, 64) step 1.47 against 1.39
-    (its kernels take a few µs, and early launches hide the gaps between them; docs/perf.md, thirty-seventh and
-    thirty-eighth entries)."""
+    not at once, and long calls that share SMs (`long_call`, float8 copies) launch under programmatic dependent launch
+    too. Where a kernel is launched as the one before ends and lets the next launch at once, a streaming matmul after
+    it (72 KB of shared memory a program) had its programs packed three to an SM on a third of the SMs; launched
+    late, they spread (docs/perf.md, thirty-seventh entry). The engine releases late in a speculative step's passes on
+    a target whose matmuls stream tens of µs a call (`Engine`): with every kernel released late an 8B target's (5, 4,
+    8) step took 5.33 against 5.48 ms, but its plain step 4.10 against 4.02, and SmolLM2's (8, 8, 64) step 1.47
+    against 1.39 (its kernels take a few µs, and early launches hide the gaps between them; docs/perf.md,
+    thirty-seventh and thirty-eighth entries). Long calls that hold a whole SM (`whole_sm_call`) cannot pack and
+    launch early even here."""
     global _releasing_late
     before, _releasing_late = _releasing_late, on
     try:
@@ -98,15 +99,17 @@ def _launches_dependents(device: torch.device) -> bool:
             and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
-def launch_options(device: torch.device, long: bool = False) -> dict:
+def launch_options(device: torch.device, long: bool = False, whole_sm: bool = False) -> dict:
     """What every kernel here (and the Triton attention's) launches with: on Hopper and later, programmatic
     dependent launch. A kernel then starts while the one before it in the stream is finishing, and waits for it
     in `follow`, so the gap between two kernels of a CUDA graph (about 2.5 µs on an H200, docs/perf.md) overlaps
     the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter, a Triton without `gdc_wait`), and
-    for a `long` call (`long_call`) but where kernels release late (`releasing_late`)."""
-    if not _launches_dependents(device) or (long and not _releasing_late):
+    for a `long` call that shares SMs (`long_call`) but where kernels release late (`releasing_late`). A `whole_sm`
+    kernel (`whole_sm_call`: one program an SM) launches early always: its programs cannot land on an SM the kernel
+    before still fills, so each SM's starts as the one before leaves it."""
+    if not _launches_dependents(device) or (long and not whole_sm and not _releasing_late):
         return {"PDL": 0}
-    return {"PDL": LATE.value if _releasing_late else EARLY.value, "launch_pdl": True}
+    return {"PDL": LATE.value if _releasing_late and not whole_sm else EARLY.value, "launch_pdl": True}
 
 
 @jit
@@ -405,15 +408,27 @@ ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
 
 def long_call(M: int, N: int, K: int) -> bool:
     """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: up to ROWS_FEW rows of a large weight over at
-    least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM. Those
-    launch after the kernel before has finished, not under programmatic dependent launch (but where kernels release
-    late, `releasing_late`, which places their programs whole): under it an 8B target's q/k/v and down on the kernel
-    made its (5, 4, 8) step 6.68 ms (5.69 on cuBLAS), and without it 5.53 (docs/perf.md, thirty-sixth entry). The cause
-    is placement: where the kernel before lets a long call launch at once, its programs can land three to an SM (72 KB
-    of shared memory each) on a third of the SMs, and a down took 51 against 34 µs (thirty-seventh entry). Shorter calls
-    need PDL: without it SmolLM2's (8, 8, 64) step took 1.65 ms against 1.40, and an 8B target's (6, 8, 48) 6.40 against
-    6.30 for its o at 48 rows (120 KB a program: one an SM)."""
+    least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM. Where
+    they share SMs (float8 copies: 48-72 KB of shared memory a program) they launch after the kernel before has
+    finished, not under programmatic dependent launch (but where kernels release late, `releasing_late`, which places
+    their programs whole): under it an 8B target's q/k/v and down on the kernel made its (5, 4, 8) step 6.68 ms (5.69
+    on cuBLAS), and without it 5.53 (docs/perf.md, thirty-sixth entry). The cause is placement: where the kernel
+    before lets a long call launch at once, its programs can land three to an SM (72 KB of shared memory each) on a
+    third of the SMs, and a down took 51 against 34 µs (thirty-seventh entry). On bf16 weights they hold a whole SM
+    instead (`whole_sm_call`). Shorter calls need PDL: without it SmolLM2's (8, 8, 64) step took 1.65 ms against
+    1.40, and an 8B target's (6, 8, 48) 6.40 against 6.30 for its o at 48 rows (120 KB a program: one an SM)."""
     return _few_rows_of_large_weight(M, N * K) and K >= ROWS_LONG_MIN_K
+
+
+def whole_sm_call(M: int, N: int, K: int, float8: bool) -> bool:
+    """Whether `rows_kernel`'s served launch at M rows of a weight [N, K] gives each program more than half an SM's
+    shared memory (`rows_launch`), so that one program runs an SM: a long call on bf16 weights (an 8B target's
+    verification). Those launch early under PDL (`launch_options`), even where kernels release late: each SM's
+    program starts as the call before leaves that SM, loading its first weights while the others finish. An 8B
+    target's 32 layers of q/k/v, o, gate/up and down at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms
+    so against 5.32 at the launches before, released late (the one-token kernel's: 4.52), and the (5, 4, 8) step
+    --draft-fp8 7.02 against 7.19 ms (docs/perf.md, forty-fifth entry)."""
+    return not float8 and long_call(M, N, K)
 
 
 def _few_rows_of_large_weight(M: int, entries: int) -> bool:
@@ -479,22 +494,33 @@ class RowsLaunch(NamedTuple):
     splits: int
 
 
-def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool) -> RowsLaunch:
+HOPPER_SMS = 132  # an H100's or H200's SMs: `rows_launch` off CUDA (the interpreter, launches recorded on meta tensors)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA `device`; HOPPER_SMS elsewhere."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else HOPPER_SMS
+
+
+def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, sms: int = HOPPER_SMS) -> RowsLaunch:
     """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (of each half of a joint gate/up
-    weight with `silu_mul`), from sweeps on an H200 (docs/perf.md): 32 weight rows a program, long chunks of K for up
-    to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as `rows_splits` says. A long call through
-    SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB of shared memory: four programs fit an SM, where the
-    32 x 256 launch's 120 KB fit one; an 8B target's gate/up at 8 rows 60.8 against 65.6 µs, cuBLAS and `silu_mul`
-    58.9). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a
-    program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
+    weight with `silu_mul`), on a GPU of `sms` SMs, from sweeps on an H200 and an H100 (docs/perf.md): 32 weight rows a
+    program, long chunks of K for up to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as
+    `rows_splits` says. Long calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one
+    program an SM: 32 weight rows in 6 stages (120 KB) where their tiles fit one wave, else 64 in 4 (an 8B target's
+    q/k/v: 192 tiles of 32 on 132 SMs), and through SiLU·mul 64 rows of each half in 5 stages of 128 (144 KB).
+    Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a program
+    1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
         tiles = triton.cdiv(N_out, 64)
         block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
         return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
-    if silu_mul and long_call(M, 2 * N_out, K):
-        block_n, block_k = 64, 64
-    else:
-        block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
+    if whole_sm_call(M, (2 if silu_mul else 1) * N_out, K, float8):
+        if silu_mul:
+            return RowsLaunch(64, 128, 5, 4, 1)
+        return RowsLaunch(32, 256, 6, 4, 1) if triton.cdiv(N_out, 32) <= sms else RowsLaunch(64, 256, 4, 4, 1)
+    block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
     return RowsLaunch(block_n, block_k, 4, 4, rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), False))
 
 
@@ -502,10 +528,11 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
                 quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
                 norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
-    benchmark sweeps them): tensor cores, under programmatic dependent launch but for long calls where kernels release
-    early (`long_call`; cuBLAS's launches cannot join them), the first weights loaded before waiting on the kernel
-    before, SiLU·mul of the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and
-    `silu_mul` take two) and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
+    benchmark sweeps them, under the served launch's PDL): tensor cores, under programmatic dependent launch but for
+    long calls that share SMs where kernels release early (`long_call`; long calls on bf16 weights hold whole SMs and
+    launch early: `whole_sm_call`), the first weights loaded before waiting on the kernel before, SiLU·mul of the
+    output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and
+    the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
     Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
     through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an
     unsplit launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A
@@ -519,9 +546,10 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
-    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, quantized is not None, silu_mul_output)
+    float8 = quantized is not None
+    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, float8, silu_mul_output, sm_count(x.device))
     block_n, block_k, stages, warps, splits = launch
-    if norm is not None and (norm[0] is not None or splits > 1 or quantized is not None):
+    if norm is not None and (norm[0] is not None or splits > 1 or float8):
         rows, norm = rms_norm(rows, *norm), None
     tiles = triton.cdiv(N_out, block_n)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
@@ -538,7 +566,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **launch_options(x.device, long=long_call(M, N, K)),
+        **launch_options(x.device, long=long_call(M, N, K), whole_sm=whole_sm_call(M, N, K, float8)),
     )
     return out
 

@@ -5,10 +5,10 @@ on the weight shapes of an architecture's target (random weights), at verificati
 
 Each call runs inside a CUDA graph over distinct copies of its weight, at least 256 MB of them in all, so no call
 reads its weight from L2 (50 MB on an H200); µs a call is the median replay's time over the copies. The kernel runs as
-served: under programmatic dependent launch but for long calls (`kernels.long_call`), so a call may start loading
-while the one before finishes, as it does between the served model's kernels; cuBLAS cannot. cuBLAS is `F.linear`,
-and `silu_mul` after the joint gate/up (the served path's two launches there). With `--fp8` the kernel reads float8
-copies (`serve/fp8.py`), as a draft head's with `--draft-fp8`, and cuBLAS the bf16 weight.
+served (`kernels.launch_options`): under programmatic dependent launch but for long calls that share SMs, so a call
+may start loading while the one before finishes, as it does between the served model's kernels; cuBLAS cannot.
+cuBLAS is `F.linear`, and `silu_mul` after the joint gate/up (the served path's two launches there). With `--fp8`
+the kernel reads float8 copies (`serve/fp8.py`), as a draft head's with `--draft-fp8`, and cuBLAS the bf16 weight.
 
 A table row per weight and row count: cuBLAS, the served launch (`rows_launch`), the grid's fastest and its launch
 (BLOCK_N, BLOCK_K, stages, warps, splits; splits as launched: equal runs of whole chunks of K, and none over more
@@ -89,7 +89,7 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
             return None
 
     N_out = N // 2 if silu else N
-    served = kernels.rows_launch(rows, N_out, K, fp8, silu)
+    served = kernels.rows_launch(rows, N_out, K, fp8, silu, kernels.sm_count(torch.device(device)))
     return dict(N=N, K=K, silu=silu, rows=rows, fp8=fp8, cublas_us=us_per_call(cublas, copies),
                 served_us=us_per_call(kernel(served), copies), served_launch=served,
                 grid=[(run, timed(run)) for run in as_launched(launches, N_out, K)])

@@ -8,6 +8,8 @@ thirty-first entries). The launches are those that `fused_linear` makes, with it
 float8 copies), recorded on meta tensors and specialized as the GPU's launcher specializes them.
 """
 
+import functools
+
 import pytest
 
 from eyas.serve.fp8 import Fp8Weights
@@ -73,34 +75,44 @@ def test_kernels_released_late_let_the_next_launch_only_at_their_end():
     """Compiled as a Hopper GPU's launcher takes each (`recorded_launches`): under PDL a kernel waits for the one
     before (griddepcontrol.wait); launched as served it then lets the next kernel launch
     (griddepcontrol.launch_dependents), and within `releasing_late` it does not, so the next launches as its programs
-    end. A long call (an 8B target's down at 8 rows) launches without PDL as served, and under it, late, within
-    `releasing_late`."""
-    short_x, short_weight, _ = meta_operands(1536, 576, 8, False)  # a SmolLM2 layer's gate
-    long_x, long_weight, _ = meta_operands(4096, 14336, 8, False)
+    end. A long call that shares SMs (an 8B head's down at 4 rows on its float8 copy) launches without PDL as served,
+    and under it, late, within `releasing_late`; one that holds a whole SM (an 8B target's down at 8 rows) launches
+    early either way."""
+    short = meta_operands(1536, 576, 8, False)  # a SmolLM2 layer's gate
+    shared = meta_operands(4096, 14336, 4, True)
+    whole = meta_operands(4096, 14336, 8, False)
 
-    def ptx(x, weight):
-        (launch,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+    def ptx(x, weight, copy):
+        (launch,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight, quantized=copy))
         return dict(launch.constexprs)["PDL"], hopper_compile.compile_launch(launch).asm["ptx"]
 
-    served = {"short": ptx(short_x, short_weight), "long": ptx(long_x, long_weight)}
+    served = {"short": ptx(*short), "shared": ptx(*shared), "whole": ptx(*whole)}
     with kernels.releasing_late():
-        late = {"short": ptx(short_x, short_weight), "long": ptx(long_x, long_weight)}
-    assert served["short"][0] == kernels.EARLY.value and served["long"][0] == 0
-    assert "griddepcontrol.wait" in served["short"][1] and "griddepcontrol.launch_dependents" in served["short"][1]
-    assert "griddepcontrol" not in served["long"][1]
-    for pdl, code in late.values():
+        late = {"short": ptx(*short), "shared": ptx(*shared), "whole": ptx(*whole)}
+    for pdl, code in (served["short"], served["whole"], late["whole"]):
+        assert pdl == kernels.EARLY.value
+        assert "griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code
+    assert served["shared"][0] == 0 and "griddepcontrol" not in served["shared"][1]
+    for pdl, code in (late["short"], late["shared"]):
         assert pdl == kernels.LATE.value
         assert "griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" not in code
 
 
-def test_a_long_call_through_silu_mul_fits_four_programs_an_sm():
-    """An 8B target's gate/up at verification, a long call through SiLU·mul, reads 64 rows of each half in chunks of
-    64: its stages of tiles let four programs share an SM, where the other long calls' 32 rows in chunks of 256 (two
-    halves' worth) let one, and the step was slower so (docs/perf.md, thirty-seventh entry)."""
-    x, weight, _ = meta_operands(28672, 4096, 8, False)
-
-    def shared_memory(launch):
-        (spec,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight, None, True, launch=launch))
-        return hopper_compile.resources(spec).shared + 1024
-
-    assert 4 * shared_memory(None) <= SM_SHARED_MEMORY < 2 * shared_memory(kernels.RowsLaunch(32, 256, 4, 4, 1))
+@pytest.mark.parametrize("arch, rows, float8", [("llama-3.1-8b", rows, False) for rows in (4, 8, 17)] + [
+    ("llama-3.1-8b", 4, True), ("smollm2-135m", 16, False)], ids=lambda c: str(c))
+def test_whole_sm_calls_are_those_whose_program_fills_an_sm(arch, rows, float8):
+    """`whole_sm_call` names the served few-rows launches that launch early even where kernels release late
+    (`launch_options`), as no SM can run two of their programs: those whose program asks more than half an SM's
+    shared memory. An 8B target's long calls on bf16 weights (verification) are; the float8 copies' (a draft
+    head's passes), calls past ROWS_FEW rows and SmolLM2's are not."""
+    found = {}
+    for name, (N, K, silu) in weight_shapes(arch).items():
+        if name == "lm_head":  # cuBLAS's
+            continue
+        x, weight, copy = meta_operands(N, K, rows, float8)
+        (spec,) = hopper_compile.recorded_launches(functools.partial(kernels.rows_kernel, x, weight, None, silu, copy))
+        shared = hopper_compile.resources(spec).shared + 1024
+        assert shared <= SM_SHARED_MEMORY, f"{name} at {rows} rows asks {shared} bytes of shared memory"
+        found[name] = 2 * shared > SM_SHARED_MEMORY
+        assert found[name] == kernels.whole_sm_call(rows, N, K, float8), f"{name} at {rows} rows: {shared} bytes"
+    assert found and any(found.values()) == (arch == "llama-3.1-8b" and rows <= kernels.ROWS_FEW and not float8)

@@ -792,10 +792,11 @@ def test_rows_operands_take_large_weights_only_in_long_calls():
     assert takes(16, 28672, 4096, fp8=True) and not takes(17, 28672, 4096, fp8=True)
 
 
-def test_rows_kernel_launches_long_calls_after_the_kernel_before_but_where_kernels_release_late(monkeypatch):
-    """Under programmatic dependent launch a long call (`long_call`: few rows of a large weight over a long K)
-    launches without it (the 8B step is faster so), any other with it: a smaller weight, a shorter K, more rows.
-    Within `releasing_late` every one launches under it and lets the next launch only at its end."""
+def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(monkeypatch):
+    """Under programmatic dependent launch a long call that shares SMs (`long_call` on a float8 copy: few rows of a
+    large weight over a long K) launches without it (the 8B step is faster so), a long call on bf16 weights, which
+    holds whole SMs (`whole_sm_call`), and any other with it: a smaller weight, a shorter K, more rows. Within
+    `releasing_late` every one but the whole-SM call launches under it and lets the next launch only at its end."""
     launched = []
 
     class Recorder:
@@ -804,19 +805,36 @@ def test_rows_kernel_launches_long_calls_after_the_kernel_before_but_where_kerne
 
     def launch_all():
         launched.clear()
-        for rows, N, K in [(16, 4096, 4096), (16, 4095, 4096), (16, 32768, 512), (17, 4096, 4096)]:
+        for rows, N, K, float8 in [(16, 4096, 4096, True), (16, 4096, 4096, False), (16, 4095, 4096, False),
+                                   (16, 32768, 512, False), (17, 4096, 4096, False)]:
+            copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device="meta"), torch.empty(N, device="meta"))
             kernels.rows_kernel(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"),
-                                torch.empty(N, K, dtype=torch.bfloat16, device="meta"))
+                                torch.empty(N, K, dtype=torch.bfloat16, device="meta"),
+                                quantized=copy if float8 else None)
         return launched
 
     monkeypatch.setattr(kernels, "_rows_matmul_kernel", Recorder())
     monkeypatch.setattr(kernels, "_launches_dependents", lambda device: True)
-    long, *others = launch_all()
-    assert long["PDL"] == 0 and "launch_pdl" not in long
-    assert all(options["PDL"] == kernels.EARLY.value and options["launch_pdl"] for options in others)
+    shared, whole, *others = launch_all()
+    assert shared["PDL"] == 0 and "launch_pdl" not in shared
+    assert all(options["PDL"] == kernels.EARLY.value and options["launch_pdl"] for options in [whole, *others])
     with kernels.releasing_late():
-        assert all(options["PDL"] == kernels.LATE.value and options["launch_pdl"] for options in launch_all())
+        shared, whole, *others = launch_all()
+        assert all(options["PDL"] == kernels.LATE.value and options["launch_pdl"] for options in [shared, *others])
+        assert whole["PDL"] == kernels.EARLY.value and whole["launch_pdl"]
     assert launch_all()[0]["PDL"] == 0  # as before, outside
+
+
+def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
+    """A bf16 long call's program fills an SM (`whole_sm_call`): 32 output columns a program where the tiles fit the
+    GPU's SMs at once (an 8B target's o and down: 128 tiles on 132 SMs), else 64 (its q/k/v: 192 tiles of 32);
+    through SiLU·mul always 64 of each half."""
+    def block_n(N_out, sms, silu=False):
+        return kernels.rows_launch(8, N_out, 4096, False, silu, sms).block_n
+
+    assert block_n(4096, 132) == 32 and block_n(6144, 132) == 64 and block_n(4096, 100) == 64
+    assert block_n(14336, 132, silu=True) == 64 and block_n(4096, 132, silu=True) == 64
+    assert kernels.rows_launch(8, 4096, 4096, True, False, 132) == kernels.rows_launch(8, 4096, 4096, True, False, 8)
 
 
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
