@@ -426,8 +426,8 @@ def whole_sm_call(M: int, N: int, K: int, float8: bool) -> bool:
     verification). Those launch early under PDL (`launch_options`), even where kernels release late: each SM's
     program starts as the call before leaves that SM, loading its first weights while the others finish. An 8B
     target's 32 layers of q/k/v, o, gate/up and down at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms
-    so against 5.32 at the launches before, released late (the one-token kernel's: 4.52), and the (5, 4, 8) step
-    --draft-fp8 7.02 against 7.19 ms (docs/perf.md, forty-fifth entry)."""
+    so against 5.33-5.37 at the launches before (one row: 4.51), and its (5, 4, 8) step --draft-fp8 6.90 against
+    7.20-7.25 ms (docs/perf.md, forty-fifth entry)."""
     return not float8 and long_call(M, N, K)
 
 
