@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.common.assets import resolve_asset, resolve_asset_argument
-from eyas.data.conversations import Conversation, read_placed_conversations
+from eyas.data.conversations import Conversation, ConversationError, read_placed_conversations
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
 from .commands import (
@@ -135,21 +135,29 @@ def written_indices(output: Path, repair: bool = False) -> set[int]:
     return done
 
 
-def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: int = 64,
-                    limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
-    """Regenerates the conversations of `data` (a file or packaged data set name) into `output` (JSONL,
-    appended; indices already there are skipped), `batch_size` conversations in flight. `shard` (i, n) takes
-    the conversations whose index is i modulo n (one process per GPU). Returns the number written."""
-    path = resolve_asset(data)
-    dropped = dropped_file(output)
-    done = written_indices(output, repair=True) | written_indices(dropped, repair=True)
+Pending = list[tuple[tuple[int, str], Conversation]]  # ((index, place), conversation) still to regenerate
+
+
+def pending(data: str | Path, output: Path, limit: int | None = None, shard: tuple[int, int] = (0, 1)
+            ) -> tuple[Pending, int]:
+    """The conversations of `data` (a file or packaged data set name) still to regenerate into `output` (indices in
+    neither it nor its `dropped_file`, an interrupted last line cut off), of the first `limit`, and of `shard` (i, n):
+    those whose index is i modulo n (one process per GPU); and how many are done already. Reads `data` whole (the
+    reader parses the file at once anyway): a file it cannot read fails here (ConversationError), before any reply
+    is asked for."""
+    done = written_indices(output, repair=True) | written_indices(dropped_file(output), repair=True)
     i_shard, n_shards = shard
-    # Read whole before the first reply (the reader parses the file at once anyway): the bar gets its total.
-    todo = [((i, place), c) for i, (place, c) in enumerate(islice(read_placed_conversations(path), limit))
-            if i % n_shards == i_shard and i not in done]
+    conversations = islice(read_placed_conversations(resolve_asset(data)), limit)
+    todo = [((i, place), c) for i, (place, c) in enumerate(conversations) if i % n_shards == i_shard and i not in done]
+    return todo, len(done)
+
+
+def regenerate_pending(todo: Pending, done: int, output: Path, client: Client, batch_size: int = 64) -> int:
+    """Regenerates `todo` (`pending`'s) into `output` (JSONL, appended), `batch_size` conversations in flight, with a
+    progress bar counting `done` earlier ones. Returns the number written."""
     written = 0
-    with (open(output, "a") as f, open(dropped, "a") as f_dropped,
-          tqdm(desc=f"regenerating ({len(done)} done before)" if done else "regenerating", unit="conv",
+    with (open(output, "a") as f, open(dropped_file(output), "a") as f_dropped,
+          tqdm(desc=f"regenerating ({done} done before)" if done else "regenerating", unit="conv",
                total=len(todo)) as bar):
         for (index, place), messages in regenerate(todo, client, batch_size):
             if any(m["role"] == "assistant" for m in messages):
@@ -161,6 +169,13 @@ def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: 
                 f_dropped.flush()
             bar.update(1)
     return written
+
+
+def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: int = 64,
+                    limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
+    """Regenerates the conversations of `data` into `output` (`pending`: indices already there are skipped),
+    `batch_size` conversations in flight. Returns the number written."""
+    return regenerate_pending(*pending(data, output, limit, shard), output, client, batch_size)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -208,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         written_indices(args.output), written_indices(dropped_file(args.output))
     except ValueError as e:
         parser.error(f"--output: {e}")
+    try:  # so is a file the reader cannot read (not UTF-8, no usable conversation)
+        todo, done = pending(data, args.output, args.limit, args.shard)
+    except ConversationError as e:
+        parser.error(f"--data: {e}")
     if args.endpoint:
         try:
             client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)
@@ -222,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
         client = EngineClient(engine, tokenizer, params, args.max_new_tokens, args.max_prompt_tokens)
     try:
-        n = regenerate_file(data, args.output, client, args.batch_size, args.limit, args.shard)
+        n = regenerate_pending(todo, done, args.output, client, args.batch_size)
     except EndpointError as e:  # failing mid-run: every finished conversation is written
         raise SystemExit(f"regenerate: error: {e}; rerun the same command to resume") from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGINT from `timeout -s INT`: every line written is whole and flushed

@@ -151,6 +151,17 @@ def test_a_damaged_output_is_a_usage_error_before_the_target_loads(tmp_path, cap
     assert stopped.value.code == 2 and "--output: " in (err := capsys.readouterr().err) and "line 1" in err
 
 
+def test_data_the_reader_cannot_read_is_a_usage_error_before_the_target_loads(tmp_path, capsys):
+    """A --data file that is not UTF-8 is named, with its line, before the target loads (a traceback after it did)."""
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(json.dumps({"messages": conv("q", "a")}).encode() + b"\n" + '{"messages": "caf\u00e9"}\n'.encode(
+        "latin-1"))
+    with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
+        regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "out.jsonl"), "--target", "unused"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"--data: {data}: line 2 (byte" in err and "not UTF-8" in err
+
+
 def test_an_unreachable_endpoint_is_named_without_a_traceback(tmp_path, capsys):
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps({"messages": conv("q", "a")}) + "\n")
