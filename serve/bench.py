@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         if unused:
             parser.error(f"--random-weights measures a random model of --arch: {', '.join(unused)} would be ignored")
 
+    options = engine_options(parser, args)
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)
         head = random_head(target, args.draft_vocab or EAGLE3_DRAFT_VOCAB)
@@ -394,7 +395,6 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--trees {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
                          f"vocabulary of {head.draft_vocab_size} tokens")
 
-    options = engine_options(args)
     settings = [(None, False)] + [(shape, False) for shape in args.trees] + ([(None, True)] if args.autotune else [])
     results: list[Result] = []
     for bs in args.batch_sizes:

@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.tree_by_batch = read_autotune(args.autotune) if args.autotune else ()
         args.engine = EngineConfig(tree=args.tree, tree_by_batch=args.tree_by_batch, mem_fraction=args.mem_fraction,
-                                   max_batch_size=args.max_batch_size, **engine_options(args))
+                                   max_batch_size=args.max_batch_size, **engine_options(parser, args))
     except ValueError as e:
         parser.error(str(e))
     # Flags typed here that another setting would silently override (a recipe's are overridden by design).

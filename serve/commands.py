@@ -23,14 +23,19 @@ from eyas.common.head_checkpoint import DraftHead, head_config_path, load_draft_
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
-from .attention import BACKENDS
+from .attention import BACKENDS, attention_backend
 from .autotune import parse_setting
 from .draft import TreeShape
 from .sampling import SamplingParams
 
 
-def engine_options(args) -> dict:
-    """The EngineConfig fields `add_engine_arguments`' options set."""
+def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The EngineConfig fields `add_engine_arguments`' options set. An --attention backend that --device cannot run
+    (triton or flashinfer on a CPU, flashinfer not installed) is a usage error: read them before any model loads."""
+    try:
+        attention_backend(args.attention, torch.device(args.device))
+    except ValueError as e:
+        parser.error(f"--attention {args.attention}: {e}")
     return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph,
             "overlap": not args.disable_overlap, "draft_fp8": args.draft_fp8}
 

@@ -305,12 +305,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
         settings["endpoint"] = args.endpoint
     else:
+        options = engine_options(parser, args)
         target, head, tokenizer, _ = load_models_for(parser, args.target, args.draft, args.token_map, args.device)
         settings["tree"] = asdict(tree)
         # With a baseline, the speculative engine takes half the share, and the baseline as many KV blocks (built
         # second, a share of what was then free would leave it a fraction: fewer rows at once, a slower baseline).
         share = args.mem_fraction if args.no_baseline else args.mem_fraction / 2
-        config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=share, **engine_options(args))
+        config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=share, **options)
         try:
             engine_on = Engine(target, head, config)
         except ValueError as e:  # a tree this head or context cannot hold

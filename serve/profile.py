@@ -39,7 +39,15 @@ from eyas.common.target import default_dtype
 
 from .autotune import format_setting
 from .bench import GREEDY, random_head, warm_engine
-from .commands import add_engine_arguments, add_sampling_arguments, engine_options, sampling_params, tree_setting
+from .commands import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_options,
+    given_flags,
+    refuse_unread,
+    sampling_params,
+    tree_setting,
+)
 from .draft import TreeShape
 from .engine import step_reserve
 from .sampling import SamplingParams
@@ -116,11 +124,14 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.arch}'s context of {context} tokens")
     if args.idle and not args.device.startswith("cuda"):
         parser.error(f"--idle measures the GPU's idle time: it needs a CUDA device, not {args.device!r}")
+    if not args.idle:
+        refuse_unread(parser, given_flags(parser, argv), ("disable_overlap",),
+                      "the phase profile runs each step alone (its phases timed between syncs); --idle overlaps them")
+    options = engine_options(parser, args)
     target = random_target(args.arch, default_dtype(args.device), args.device)
     head = random_head(target)
     prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
     unit = "kernels" if args.device.startswith("cuda") else "operators"
-    options = engine_options(args)
     for shape in args.trees:
         setting = f"{args.arch} {format_setting(shape)}"
         work = (target, head, shape, prompt.tolist(), args.new_tokens, params)

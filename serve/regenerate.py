@@ -233,12 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         except EndpointError as e:  # unreachable: nothing has run
             parser.error(str(e))
     else:
+        options = engine_options(parser, args)
         target, _, tokenizer, _ = load_models_for(parser, args.target, device=args.device)
-        config = EngineConfig(speculative=False, max_batch_size=args.batch_size, **engine_options(args))
-        try:
-            engine = Engine(target, None, config)
-        except ValueError as e:  # a backend this device cannot run (--attention triton on a CPU)
-            parser.error(str(e))
+        engine = Engine(target, None, EngineConfig(speculative=False, max_batch_size=args.batch_size, **options))
         client = EngineClient(engine, tokenizer, params, args.max_new_tokens, args.max_prompt_tokens)
     try:
         n = regenerate_pending(todo, done, args.output, client, args.batch_size)

@@ -129,7 +129,9 @@ def test_bench_at_a_temperature_samples(monkeypatch, capsys):
                                          (["--input-len", "-3"], "--input-len must be at least 1, got -3"),
                                          (["--json", "no/such/dir/r.json"], "--json no/such/dir/r.json: no directory"),
                                          (["--autotune", "no/dir/a.json"], "--autotune no/dir/a.json: no directory"),
-                                         (["--autotune", "."], "--autotune .: a directory; give the file's name")])
+                                         (["--autotune", "."], "--autotune .: a directory; give the file's name"),
+                                         (["--attention", "flashinfer"], "--attention flashinfer: the flashinfer "
+                                          "attention backend needs a CUDA device")])
 def test_arguments_it_cannot_use_are_usage_errors(args, words, capsys):
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
         main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])

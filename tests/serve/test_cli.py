@@ -7,8 +7,6 @@ import pytest
 
 from eyas.serve import bench, chat, cli, evaluate, profile, regenerate
 from eyas.serve.cli import SERVE_RECIPES, model_name, parse_args
-from eyas.serve.commands import engine_options
-from eyas.serve.engine import EngineConfig
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in SERVE_RECIPES.glob("*.yaml")))
@@ -65,9 +63,15 @@ def test_recipe_switches_and_on_off(tmp_path, line, graphs, speculative):
                                                          (["--disable-cuda-graph"], True, False, False),
                                                          (["--draft-fp8"], True, True, True)])
 def test_engine_switches_reach_the_engine(flags, overlap, graphs, fp8):
-    options = engine_options(parse_args(["--recipe", "smollm2-135m", *flags]))
-    assert (options["overlap"], options["cuda_graphs"], options["draft_fp8"]) == (overlap, graphs, fp8)
-    EngineConfig(**options)  # every option is an engine field
+    config = parse_args(["--recipe", "smollm2-135m", *flags]).engine
+    assert (config.overlap, config.cuda_graphs, config.draft_fp8) == (overlap, graphs, fp8)
+
+
+def test_a_backend_the_device_cannot_run_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--recipe", "smollm2-135m", "--attention", "flashinfer", "--device", "cpu"])
+    assert stopped.value.code == 2 and "--attention flashinfer: the flashinfer attention backend needs a CUDA" in (
+        capsys.readouterr().err)
 
 
 def test_autotune_file_is_read_and_checked(tmp_path, capsys):

@@ -34,8 +34,8 @@ def test_cli_prints_every_setting(capsys):
 
 
 def test_engine_options_reach_the_engine(monkeypatch, capsys):
-    """The serving commands' engine options (`--draft-fp8`, `--disable-overlap`, ...) configure the profiled engine,
-    so that a profile runs the engine `bench-eagle` timed."""
+    """The serving commands' engine options (`--draft-fp8`, `--disable-cuda-graph`, ...) configure the profiled
+    engine, so that a profile runs the engine `bench-eagle` timed."""
     built = []
     real = profile.warm_engine
 
@@ -45,8 +45,8 @@ def test_engine_options_reach_the_engine(monkeypatch, capsys):
 
     monkeypatch.setattr(profile, "warm_engine", recording)
     profile.main(["--arch", "tiny", "--trees", "3,2,4", "--input-len", "30", "--new-tokens", "6", "--draft-fp8",
-                  "--disable-overlap"])
-    assert built and all(o["draft_fp8"] and not o["overlap"] and o["profile"] for o in built)
+                  "--disable-cuda-graph"])
+    assert built and all(o["draft_fp8"] and not o["cuda_graphs"] and o["profile"] for o in built)
     assert "== tiny 3,2,4:" in capsys.readouterr().out
 
 
@@ -86,6 +86,8 @@ def test_idle_time_counts_the_gaps_between_overlapping_kernels():
     (["--input-len", "0"], "got 0, 48, 12"),
     (["--input-len", "4090"], "--input-len 4090 and --new-tokens 48, with the trees' drafts, pass tiny's context of "
                               "4096 tokens"),
+    (["--disable-overlap"], "syncs); --idle overlaps them: --disable-overlap would be ignored"),
+    (["--attention", "flashinfer"], "--attention flashinfer: the flashinfer attention backend needs a CUDA device"),
 ])
 def test_sizes_it_cannot_profile_are_usage_errors(args, words, capsys):
     with pytest.raises(SystemExit) as stopped:
