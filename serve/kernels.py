@@ -81,8 +81,8 @@ def releasing_late(on: bool = True):
     a target whose matmuls stream tens of µs a call (`Engine`): with every kernel released late an 8B target's (5, 4,
     8) step took 5.33 against 5.48 ms, but its plain step 4.10 against 4.02, and SmolLM2's (8, 8, 64) step 1.47
     against 1.39 (its kernels take a few µs, and early launches hide the gaps between them; docs/perf.md,
-    thirty-seventh and thirty-eighth entries). Long calls that hold a whole SM (`whole_sm_call`) cannot pack and
-    launch early even here."""
+    thirty-seventh and thirty-eighth entries). Long calls that hold a whole SM (`whole_sm_call`) let the next kernel
+    launch at once even here."""
     global _releasing_late
     before, _releasing_late = _releasing_late, on
     try:
@@ -105,8 +105,8 @@ def launch_options(device: torch.device, long: bool = False, whole_sm: bool = Fa
     in `follow`, so the gap between two kernels of a CUDA graph (about 2.5 µs on an H200, docs/perf.md) overlaps
     the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter, a Triton without `gdc_wait`), and
     for a `long` call that shares SMs (`long_call`) but where kernels release late (`releasing_late`). A `whole_sm`
-    kernel (`whole_sm_call`: one program an SM) launches early always: its programs cannot land on an SM the kernel
-    before still fills, so each SM's starts as the one before leaves it."""
+    kernel (`whole_sm_call`: one program an SM) lets the next launch at once even there: a whole-SM call after it
+    cannot put two programs on an SM, so each starts as the one before leaves its SM."""
     if not _launches_dependents(device) or (long and not whole_sm and not _releasing_late):
         return {"PDL": 0}
     return {"PDL": LATE.value if _releasing_late and not whole_sm else EARLY.value, "launch_pdl": True}
@@ -406,6 +406,28 @@ ROWS_LONG_MAX_WEIGHT = 1 << 26
 ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
 
 
+class Gpu(NamedTuple):
+    """What `rows_launch` fits its launches to: the GPU's SMs, and the shared memory (bytes) one program may ask."""
+
+    sms: int
+    shared: int
+
+
+HOPPER = Gpu(132, 227 << 10)  # an H100's or H200's: the launches off CUDA (the interpreter, launches on meta tensors)
+WHOLE_SM_SHARED = 145 << 10  # what a program may ask where `rows_launch` gives whole-SM launches (the largest: 144 KB)
+
+
+@functools.cache
+def gpu(device: torch.device) -> Gpu:
+    """A CUDA `device`'s Gpu, as Triton reads it (the shared memory past which a launch fails to compile); HOPPER
+    elsewhere."""
+    if device.type != "cuda":
+        return HOPPER
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    return Gpu(props["multiprocessor_count"], props["max_shared_mem"])
+
+
 def long_call(M: int, N: int, K: int) -> bool:
     """Whether `rows_kernel` at M rows of a weight [N, K] is a long call: up to ROWS_FEW rows of a large weight over at
     least ROWS_LONG_MIN_K inputs, whose programs stream for tens of µs on a grid of about one program per SM. Where
@@ -420,15 +442,17 @@ def long_call(M: int, N: int, K: int) -> bool:
     return _few_rows_of_large_weight(M, N * K) and K >= ROWS_LONG_MIN_K
 
 
-def whole_sm_call(M: int, N: int, K: int, float8: bool) -> bool:
-    """Whether `rows_kernel`'s served launch at M rows of a weight [N, K] gives each program more than half an SM's
-    shared memory (`rows_launch`), so that one program runs an SM: a long call on bf16 weights (an 8B target's
-    verification). Those launch early under PDL (`launch_options`), even where kernels release late: each SM's
-    program starts as the call before leaves that SM, loading its first weights while the others finish. An 8B
+def whole_sm_call(M: int, N: int, K: int, float8: bool, on: Gpu = HOPPER) -> bool:
+    """Whether `rows_kernel`'s served launch at M rows of a weight [N, K] on GPU `on` gives each program more than half
+    an SM's shared memory (`rows_launch`), so that one program runs an SM: a long call on bf16 or fp16 weights (an 8B
+    target's verification), where a program may ask WHOLE_SM_SHARED (Hopper, an A100; not sm_86/sm_89's 99 KB). Those
+    let the next kernel launch at once under PDL (`launch_options`), even where kernels release late: a whole-SM call
+    after one then starts each program as the one before leaves its SM, its first weights loading while the others
+    finish, and the small kernels after one (rotary, attention) wait beside it. An 8B
     target's 32 layers of q/k/v, o, gate/up and down at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms
     so against 5.33-5.37 at the launches before (one row: 4.51), and its (5, 4, 8) step --draft-fp8 6.90 against
     7.20-7.25 ms (docs/perf.md, forty-fifth entry)."""
-    return not float8 and long_call(M, N, K)
+    return not float8 and long_call(M, N, K) and on.shared >= WHOLE_SM_SHARED
 
 
 def _few_rows_of_large_weight(M: int, entries: int) -> bool:
@@ -494,34 +518,32 @@ class RowsLaunch(NamedTuple):
     splits: int
 
 
-HOPPER_SMS = 132  # an H100's or H200's SMs: `rows_launch` off CUDA (the interpreter, launches recorded on meta tensors)
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA `device`; HOPPER_SMS elsewhere."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else HOPPER_SMS
-
-
-def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, sms: int = HOPPER_SMS) -> RowsLaunch:
+def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gpu = HOPPER) -> RowsLaunch:
     """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (of each half of a joint gate/up
-    weight with `silu_mul`), on a GPU of `sms` SMs, from sweeps on an H200 and an H100 (docs/perf.md): 32 weight rows a
-    program, long chunks of K for up to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as
-    `rows_splits` says. Long calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one
-    program an SM: 32 weight rows in 6 stages (120 KB) where their tiles fit one wave, else 64 in 4 (an 8B target's
-    q/k/v: 192 tiles of 32 on 132 SMs), and through SiLU·mul 64 rows of each half in 5 stages of 128 (144 KB).
-    Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a program
-    1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
+    weight with `silu_mul`), on GPU `on`, from sweeps on an H200 and an H100 (docs/perf.md): 32 weight rows a program,
+    long chunks of K for up to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as `rows_splits`
+    says. Long calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one program an SM:
+    32 weight rows in 6 stages (120 KB) where their tiles fit one wave, else 64 in 4 (an 8B target's q/k/v: 192 tiles
+    of 32 on 132 SMs), and through SiLU·mul 64 rows of each half in 5 stages of 128 (144 KB). Where a program may not
+    ask that much, a long call through SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB; four programs an
+    SM). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a
+    program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
         tiles = triton.cdiv(N_out, 64)
         block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
         return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
-    if whole_sm_call(M, (2 if silu_mul else 1) * N_out, K, float8):
+    N = (2 if silu_mul else 1) * N_out
+    if whole_sm_call(M, N, K, float8, on):
         if silu_mul:
-            return RowsLaunch(64, 128, 5, 4, 1)
-        return RowsLaunch(32, 256, 6, 4, 1) if triton.cdiv(N_out, 32) <= sms else RowsLaunch(64, 256, 4, 4, 1)
-    block_n, block_k = 32, 256 if M <= 16 and K >= 2048 else 128
-    return RowsLaunch(block_n, block_k, 4, 4, rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), False))
+            block_n, block_k, stages = 64, 128, 5
+        else:
+            block_n, block_k, stages = (32, 256, 6) if triton.cdiv(N_out, 32) <= on.sms else (64, 256, 4)
+    elif silu_mul and long_call(M, N, K):
+        block_n, block_k, stages = 64, 64, 4
+    else:
+        block_n, block_k, stages = 32, 256 if M <= 16 and K >= 2048 else 128, 4
+    return RowsLaunch(block_n, block_k, stages, 4,
+                      rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), False))
 
 
 def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_output: bool = False,
@@ -529,8 +551,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
                 norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
     benchmark sweeps them, under the served launch's PDL): tensor cores, under programmatic dependent launch but for
-    long calls that share SMs where kernels release early (`long_call`; long calls on bf16 weights hold whole SMs and
-    launch early: `whole_sm_call`), the first weights loaded before waiting on the kernel before, SiLU·mul of the
+    long calls that share SMs where kernels release early (`long_call`; at their served launch, long calls on bf16
+    weights hold whole SMs and release the next kernel early: `whole_sm_call`), the first weights loaded before
+    waiting on the kernel before, SiLU·mul of the
     output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and
     the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
     Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
@@ -546,8 +569,10 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
-    float8 = quantized is not None
-    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, float8, silu_mul_output, sm_count(x.device))
+    float8, on = quantized is not None, gpu(x.device)
+    served = rows_launch(M, N_out, K, float8, silu_mul_output, on)
+    launch = as_run(launch, K) if launch else served
+    whole_sm = whole_sm_call(M, N, K, float8, on) and launch == served  # a launch given is timed as one sharing SMs
     block_n, block_k, stages, warps, splits = launch
     if norm is not None and (norm[0] is not None or splits > 1 or float8):
         rows, norm = rms_norm(rows, *norm), None
@@ -566,7 +591,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **launch_options(x.device, long=long_call(M, N, K), whole_sm=whole_sm_call(M, N, K, float8)),
+        **launch_options(x.device, long=long_call(M, N, K), whole_sm=whole_sm),
     )
     return out
 

@@ -28,7 +28,7 @@ def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
     if name == "triton":
         from .triton_paged import TritonPagedAttention, available
 
-        if not available():
+        if not available(device):
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
         return TritonPagedAttention
     if name == "flashinfer":

@@ -35,10 +35,10 @@ from .paged import PagedAttention
 _NO_MAX: tl.constexpr = tl.constexpr(-1e30)
 
 
-def available() -> bool:
-    """Whether the kernels can launch here: a CUDA device, or Triton's CPU interpreter (TRITON_INTERPRET=1).
+def available(device: torch.device) -> bool:
+    """Whether the kernels can launch on `device`: a CUDA device, or Triton's CPU interpreter (TRITON_INTERPRET=1).
     (Importing this module already needs triton.)"""
-    return torch.cuda.is_available() or kernels.INTERPRETED
+    return device.type == "cuda" or kernels.INTERPRETED
 
 
 class TritonPagedAttention(PagedAttention):

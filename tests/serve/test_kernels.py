@@ -828,13 +828,45 @@ def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(
 def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
     """A bf16 long call's program fills an SM (`whole_sm_call`): 32 output columns a program where the tiles fit the
     GPU's SMs at once (an 8B target's o and down: 128 tiles on 132 SMs), else 64 (its q/k/v: 192 tiles of 32);
-    through SiLU·mul always 64 of each half."""
-    def block_n(N_out, sms, silu=False):
-        return kernels.rows_launch(8, N_out, 4096, False, silu, sms).block_n
+    through SiLU·mul always 64 of each half. Where a program may not ask WHOLE_SM_SHARED (sm_86/sm_89's 99 KB) the
+    launches share SMs as before; float8 copies' launches do not depend on the GPU."""
+    def launch(N_out, on, silu=False, float8=False):
+        return kernels.rows_launch(8, N_out, 4096, float8, silu, on)
 
-    assert block_n(4096, 132) == 32 and block_n(6144, 132) == 64 and block_n(4096, 100) == 64
-    assert block_n(14336, 132, silu=True) == 64 and block_n(4096, 132, silu=True) == 64
-    assert kernels.rows_launch(8, 4096, 4096, True, False, 132) == kernels.rows_launch(8, 4096, 4096, True, False, 8)
+    hopper, fewer, small = kernels.HOPPER, kernels.Gpu(100, kernels.HOPPER.shared), kernels.Gpu(132, 99 << 10)
+    assert launch(4096, hopper) == (32, 256, 6, 4, 1) and launch(32 * 132, hopper).block_n == 32
+    assert launch(32 * 132 + 1, hopper).block_n == 64 and launch(6144, hopper) == (64, 256, 4, 4, 1)
+    assert launch(4096, fewer).block_n == 64
+    assert launch(14336, hopper, silu=True) == (64, 128, 5, 4, 1) and launch(4096, hopper, silu=True).block_n == 64
+    assert launch(4096, small) == (32, 256, 4, 4, 1) and launch(14336, small, silu=True) == (64, 64, 4, 4, 1)
+    assert launch(4096, hopper, float8=True) == launch(4096, small, float8=True)
+    assert [kernels.whole_sm_call(8, 4096, 4096, False, on) for on in (hopper, small)] == [True, False]
+
+
+def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_sharing_sms(monkeypatch):
+    """`rows_kernel` reads its device's SMs and shared memory (`gpu`): an 8B target's o at 8 rows takes 64 columns a
+    program on 100 SMs, and shares SMs (no PDL outside `releasing_late`) where a program may ask 99 KB. A launch
+    given (the linear benchmark's grid) that is not the served one runs as a long call that shares SMs."""
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(options)
+
+    monkeypatch.setattr(kernels, "_rows_matmul_kernel", Recorder())
+    monkeypatch.setattr(kernels, "_launches_dependents", lambda device: True)
+    x, weight = (torch.empty(*shape, dtype=torch.bfloat16, device="meta") for shape in ((8, 4096), (4096, 4096)))
+    for on in (kernels.Gpu(100, kernels.HOPPER.shared), kernels.Gpu(132, 99 << 10)):
+        monkeypatch.setattr(kernels, "gpu", lambda device, on=on: on)
+        kernels.rows_kernel(x, weight)
+    fewer, small = launched
+    assert fewer["BLOCK_N"] == 64 and fewer["PDL"] == kernels.EARLY.value
+    assert small["BLOCK_N"] == 32 and small["num_stages"] == 4 and small["PDL"] == 0
+    monkeypatch.setattr(kernels, "gpu", lambda device: kernels.HOPPER)
+    kernels.rows_kernel(x, weight, launch=kernels.RowsLaunch(32, 128, 4, 4, 1))
+    kernels.rows_kernel(x, weight, launch=kernels.rows_launch(8, 4096, 4096, False, False))
+    *_, other, served = launched
+    assert other["PDL"] == 0 and served["PDL"] == kernels.EARLY.value
 
 
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():

@@ -39,3 +39,19 @@ def test_the_dense_check_catches_a_key_too_few():
     short = (prefix_lens - 1).clamp(min=0).int()
     got = TorchPagedAttention(pool, block_table, short, window_mask).attend(LAYER, q, k, v).double()
     assert (got - want).abs().max() > 1e-2
+
+
+def test_backends_a_device_cannot_run_are_refused_by_name(monkeypatch):
+    """`attention_backend` refuses triton on a CPU device even where a GPU is present (its kernels would fail at the
+    first launch), unless Triton's interpreter runs them; flashinfer anywhere but CUDA; auto is torch on a CPU."""
+    pytest.importorskip("triton")
+    from eyas.serve import attention, kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, asked for its CPU
+    cpu = torch.device("cpu")
+    if not kernels.INTERPRETED:
+        with pytest.raises(ValueError, match="triton attention backend needs a CUDA device"):
+            attention.attention_backend("triton", cpu)
+    with pytest.raises(ValueError, match="flashinfer attention backend needs a CUDA device"):
+        attention.attention_backend("flashinfer", cpu)
+    assert attention.attention_backend("auto", cpu) is TorchPagedAttention
