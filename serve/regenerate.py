@@ -139,17 +139,17 @@ Pending = list[tuple[tuple[int, str], Conversation]]  # ((index, place), convers
 
 
 def pending(data: str | Path, output: Path, limit: int | None = None, shard: tuple[int, int] = (0, 1)
-            ) -> tuple[Pending, int]:
+            ) -> tuple[Pending, int, int]:
     """The conversations of `data` (a file or packaged data set name) still to regenerate into `output` (indices in
     neither it nor its `dropped_file`, an interrupted last line cut off), of the first `limit`, and of `shard` (i, n):
-    those whose index is i modulo n (one process per GPU); and how many are done already. Reads `data` whole (the
-    reader parses the file at once anyway): a file it cannot read fails here (ConversationError), before any reply
-    is asked for."""
+    those whose index is i modulo n (one process per GPU); how many are done already; and how many `data` holds (of
+    the first `limit`). Reads `data` whole (the reader parses the file at once anyway): a file it cannot read fails
+    here (ConversationError, OSError), before any reply is asked for."""
     done = written_indices(output, repair=True) | written_indices(dropped_file(output), repair=True)
     i_shard, n_shards = shard
-    conversations = islice(read_placed_conversations(resolve_asset(data)), limit)
+    conversations = list(islice(read_placed_conversations(resolve_asset(data)), limit))
     todo = [((i, place), c) for i, (place, c) in enumerate(conversations) if i % n_shards == i_shard and i not in done]
-    return todo, len(done)
+    return todo, len(done), len(conversations)
 
 
 def regenerate_pending(todo: Pending, done: int, output: Path, client: Client, batch_size: int = 64) -> int:
@@ -175,7 +175,8 @@ def regenerate_file(data: str | Path, output: Path, client: Client, batch_size: 
                     limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> int:
     """Regenerates the conversations of `data` into `output` (`pending`: indices already there are skipped),
     `batch_size` conversations in flight. Returns the number written."""
-    return regenerate_pending(*pending(data, output, limit, shard), output, client, batch_size)
+    todo, done, _ = pending(data, output, limit, shard)
+    return regenerate_pending(todo, done, output, client, batch_size)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -223,10 +224,18 @@ def main(argv: list[str] | None = None) -> None:
         written_indices(args.output), written_indices(dropped_file(args.output))
     except ValueError as e:
         parser.error(f"--output: {e}")
-    try:  # so is a file the reader cannot read (not UTF-8, no usable conversation)
-        todo, done = pending(data, args.output, args.limit, args.shard)
-    except ConversationError as e:
+    try:  # so is a file the reader cannot read (not UTF-8, a directory)
+        todo, done, read = pending(data, args.output, args.limit, args.shard)
+    except (ConversationError, OSError) as e:
         parser.error(f"--data: {e}")
+    except KeyboardInterrupt:
+        print("interrupted while reading --data: nothing written", file=sys.stderr)
+        sys.exit(130)
+    if not read:
+        parser.error(f"--data {args.data}: no usable conversation (the reader's log names the records it skipped)")
+    if not todo:  # a finished run, rerun: no model to load
+        print(f"nothing to regenerate: every conversation asked for is in {args.output} or {dropped_file(args.output)}")
+        return
     if args.endpoint:
         try:
             client = EndpointClient(args.endpoint, args.model, params, args.max_new_tokens)

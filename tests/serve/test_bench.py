@@ -132,7 +132,8 @@ def test_bench_at_a_temperature_samples(monkeypatch, capsys):
                                          (["--autotune", "."], "--autotune .: a directory; give the file's name"),
                                          (["--attention", "flashinfer"], "--attention flashinfer: the flashinfer "
                                           "attention backend needs a CUDA device")])
-def test_arguments_it_cannot_use_are_usage_errors(args, words, capsys):
+def test_arguments_it_cannot_use_are_usage_errors(args, words, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "random_target", lambda *args: pytest.fail("built a model"))
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
         main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
     assert exit_info.value.code == 2 and words in capsys.readouterr().err

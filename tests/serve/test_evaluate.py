@@ -94,6 +94,18 @@ def test_a_tree_the_head_cannot_draft_is_a_usage_error(tmp_path, capsys, monkeyp
     assert stopped.value.code == 2 and "topk 8 is more than the head's draft vocabulary of 4" in capsys.readouterr().err
 
 
+def test_a_backend_the_device_cannot_run_is_a_usage_error_before_the_models_load(tmp_path, capsys, monkeypatch):
+    from eyas.serve import commands
+
+    monkeypatch.setattr(commands, "load_models", lambda *args: pytest.fail("loaded the models"))
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "t", "--draft", "d", "--bench", str(path), "--attention", "flashinfer", "--device", "cpu"])
+    assert stopped.value.code == 2 and "--attention flashinfer: the flashinfer attention backend needs a CUDA" in (
+        capsys.readouterr().err)
+
+
 def test_prompt_file_questions(tmp_path):
     """Prompts and user turns, OpenAI text parts joined by newlines (as training and the server read them)."""
     path = tmp_path / "q.jsonl"

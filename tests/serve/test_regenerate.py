@@ -162,6 +162,26 @@ def test_data_the_reader_cannot_read_is_a_usage_error_before_the_target_loads(tm
     assert stopped.value.code == 2 and f"--data: {data}: line 2 (byte" in err and "not UTF-8" in err
 
 
+@pytest.mark.parametrize("make, words", [
+    (lambda path: path.write_text('{"messages": [{"role": "alien", "content": "x"}]}\n'), "no usable conversation"),
+    (lambda path: path.mkdir(), "Is a directory"),
+])
+def test_data_without_a_conversation_is_a_usage_error_before_the_target_loads(tmp_path, capsys, make, words):
+    data = tmp_path / "in.jsonl"
+    make(data)
+    with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
+        regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "out.jsonl"), "--target", "unused"])
+    assert stopped.value.code == 2 and "--data" in (err := capsys.readouterr().err) and words in err
+
+
+def test_a_finished_output_loads_no_model(tmp_path, capsys):
+    data, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    data.write_text(json.dumps({"messages": conv("q", "a")}) + "\n")
+    out.write_text(json.dumps({"index": 0, "place": "line 1", "messages": conv("q", "b")}) + "\n")
+    regenerate_module.main(["--data", str(data), "--output", str(out), "--target", "unused"])  # would raise if loaded
+    assert "nothing to regenerate" in capsys.readouterr().out
+
+
 def test_an_unreachable_endpoint_is_named_without_a_traceback(tmp_path, capsys):
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps({"messages": conv("q", "a")}) + "\n")
