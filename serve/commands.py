@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from eyas.common.assets import resolve_target
+from eyas.common.checkpoint import gguf_parsed_once
 from eyas.common.head_checkpoint import DraftHead, head_config_path, load_draft_head
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
@@ -192,6 +193,8 @@ def load_models(target: str | Path, draft: str | Path | None = None, token_map: 
         head_config_path(draft)
     path = resolve_target(target)
     dtype = dtype or default_dtype(device)
-    model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
+    with gguf_parsed_once():  # a GGUF target's tokenizer from the reader its weights came from
+        model = TargetModel.from_pretrained(path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(path)
     head = None if draft is None else load_draft_head(draft, model, token_map=token_map, dtype=dtype, device=device)
-    return Models(model, head, load_tokenizer(path), path)
+    return Models(model, head, tokenizer, path)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from eyas.common.checkpoint import CheckpointError, load_target, target_config
+from eyas.common.checkpoint import CheckpointError, gguf_parsed_once, load_target, target_config
 from eyas.common.config import ConfigError, RopeConfig
 from eyas.common.layers import rope_inv_freq
 
@@ -106,3 +106,21 @@ def test_linear_rope_scaling_metadata_is_read_and_others_refused(tmp_path):
     assert (rope.type, rope.factor) == ("linear", 4.0)
     with pytest.raises(ConfigError, match=r"yarn.gguf: RoPE scaling 'yarn' \(llama.rope.scaling.type\)"):
         target_config(write_gguf(tmp_path / "yarn.gguf", scaling=("yarn", 4.0)))
+
+
+def test_a_load_parses_a_gguf_file_once(tmp_path, monkeypatch):
+    """transformers parses the file for the config and again for the tensors, and eyas for the RoPE scaling: within
+    `gguf_parsed_once` (which `load_target` and `target_config` enter) one reader serves them all, and a second load
+    inside it parses nothing more; outside, each load parses the file afresh."""
+    path = write_gguf(tmp_path / "once.gguf")
+    parsed = []
+    made = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: parsed.append(args[0]) or made(*args, **kwargs))
+    load_target(path)
+    assert len(parsed) == 1
+    with gguf_parsed_once():
+        target_config(path)
+        load_target(path)
+    assert len(parsed) == 2
+    target_config(path)
+    assert len(parsed) == 3 and gguf.GGUFReader is not made  # the count's own reader back in place
