@@ -14,13 +14,15 @@ line per conversation, `{"index": i, "place": "record 12", "messages": [...]}`, 
 counted), `place` is the record's line or number in the file. A conversation left without an assistant turn (its first
 prompt refused or answered empty) is listed in `<output>.dropped` instead (`{"index": i}` lines). A rerun skips the
 indices in either file, so an interrupted run resumes where it stopped (delete the `.dropped` file to ask for those
-again, say with a larger `--max-prompt-tokens`).
+again, say with a larger `--max-prompt-tokens`). `<output>.source` records which `--data` the indices count (its size
+and the hash of its first MiB): a rerun with another refuses to resume.
 Ctrl-C (or `timeout -s INT`) stops it with exit code 130 and every finished conversation written.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -109,6 +111,26 @@ def dropped_file(output: Path) -> Path:
     return output.with_name(output.name + ".dropped")
 
 
+def source_file(output: Path) -> Path:
+    """Where the data `output`'s indices count is recorded (`check_same_source`)."""
+    return output.with_name(output.name + ".source")
+
+
+def check_same_source(output: Path, data: Path) -> None:
+    """Records `data` (its size, and the SHA-256 of its first MiB) as `output`'s source, or, where one is recorded,
+    raises ValueError unless `data` is it: indices of one file skip another's conversations on a resume. An output
+    written before sources were recorded takes `data` as its source."""
+    with open(data, "rb") as f:
+        identity = {"bytes": data.stat().st_size, "sha256_first_mib": hashlib.sha256(f.read(1 << 20)).hexdigest()}
+    recorded = source_file(output)
+    if not recorded.exists():
+        recorded.write_text(json.dumps(identity) + "\n")
+    elif (was := json.loads(recorded.read_text())) != identity:
+        raise ValueError(f"{output} holds conversations of another data file ({was['bytes']:,} bytes; this one has "
+                         f"{identity['bytes']:,}, or differs in its first MiB; {recorded} records it): give that "
+                         "--data to resume, or another --output")
+
+
 def written_indices(output: Path, repair: bool = False) -> set[int]:
     """The indices of the conversations already in `output` (or in its `dropped_file`, of the same layout). A last
     line cut by a kill does not count; with `repair` the file is truncated before it, so that appending continues it
@@ -144,10 +166,13 @@ def pending(data: str | Path, output: Path, limit: int | None = None, shard: tup
     neither it nor its `dropped_file`, an interrupted last line cut off), of the first `limit`, and of `shard` (i, n):
     those whose index is i modulo n (one process per GPU); how many are done already; and how many `data` holds (of
     the first `limit`). Reads `data` whole (the reader parses the file at once anyway): a file it cannot read fails
-    here (ConversationError, OSError), before any reply is asked for."""
+    here (ConversationError, OSError), before any reply is asked for, and so does a `data` that is not the one
+    `output` was regenerated from (ValueError: `check_same_source`)."""
+    path = resolve_asset(data)
+    conversations = list(islice(read_placed_conversations(path), limit))
+    check_same_source(output, path)
     done = written_indices(output, repair=True) | written_indices(dropped_file(output), repair=True)
     i_shard, n_shards = shard
-    conversations = list(islice(read_placed_conversations(resolve_asset(data)), limit))
     todo = [((i, place), c) for i, (place, c) in enumerate(conversations) if i % n_shards == i_shard and i not in done]
     return todo, len(done), len(conversations)
 
@@ -228,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         todo, done, read = pending(data, args.output, args.limit, args.shard)
     except (ConversationError, OSError) as e:
         parser.error(f"--data: {e}")
+    except ValueError as e:  # the output's conversations are another file's
+        parser.error(f"--output: {e}")
     except KeyboardInterrupt:
         print("interrupted while reading --data: nothing written", file=sys.stderr)
         sys.exit(130)

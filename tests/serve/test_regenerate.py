@@ -71,6 +71,19 @@ def test_file_resumes_after_interruption(tmp_path):
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2, 3, 4]
 
 
+def test_a_resume_from_another_data_file_is_refused(tmp_path, capsys):
+    """The output's indices count its own --data's conversations (`<output>.source`): resuming it with another file
+    would skip that file's first conversations and number the rest wrongly; the same file resumes."""
+    data, other, out = tmp_path / "in.jsonl", tmp_path / "other.jsonl", tmp_path / "out.jsonl"
+    data.write_text("".join(json.dumps({"messages": conv(f"q{i}", "old")}) + "\n" for i in range(3)))
+    other.write_text("".join(json.dumps({"messages": conv(f"r{i}", "old")}) + "\n" for i in range(3)))
+    assert regenerate_file(data, out, EchoClient([]), batch_size=2, limit=2) == 2
+    with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
+        regenerate_module.main(["--data", str(other), "--output", str(out), "--target", "unused"])
+    assert stopped.value.code == 2 and "holds conversations of another data file" in capsys.readouterr().err
+    assert regenerate_file(data, out, EchoClient([]), batch_size=2) == 1  # the same file: the one left
+
+
 def test_conversations_without_an_assistant_turn_are_not_asked_again(tmp_path):
     """A first prompt answered empty (or refused) leaves nothing to train on: listed in `<output>.dropped`, not in
     the output, and a rerun does not ask for it again."""
