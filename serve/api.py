@@ -37,7 +37,8 @@ Every response, and the last chunk of a stream, carries an extension field on sp
 
 verify_steps: target verification passes of this request; accepted_tokens: draft tokens they accepted
 (accepted_per_step: how many at each verification, for per-position acceptance rates), whole where a stop token,
-max_tokens or a stop string cut the output short of them: they measure the draft, not the text;
+max_tokens or a stop string cut the output short of them: they measure the draft, not the text (but for the
+verifications after the one that completed a stop string, which ran before the request's abort reached the engine);
 acceptance_length: tokens per verification, (accepted_tokens + verify_steps) / verify_steps, the bonus token
 counted, or null with no verification (speculation off, or the answer ended at its first token).
 
@@ -300,19 +301,21 @@ class Generation:
         self.worker, self.stream, self.text, self.stop_ids = worker, stream, text, stop_ids
         self.completion_tokens = 0
         self.finish: Finish | None = None
+        self.verified: int | None = None  # with a stop string: the verifications up to the one that completed it
 
     async def pieces(self) -> AsyncIterator[str]:
         try:
             while not isinstance(event := await self.stream.events.get(), Finish):
                 # With stop strings, token by token: the count ends at the token that completes one, whether a step
                 # gave one token or (speculating) several.
-                for ids in ([t] for t in event) if self.text.stop else (event,):
+                for ids in ([t] for t in event.ids) if self.text.stop else (event.ids,):
                     self.completion_tokens += len(ids)
                     if piece := self.text.push([t for t in ids if t not in self.stop_ids]):
                         yield piece
                     if self.text.stopped:
                         break
                 if self.text.stopped:  # a stop string: end the request, wait for its finish
+                    self.verified = event.verified  # steps may run until the abort reaches the engine
                     self.worker.abort(self.stream, reason="stop")
                     while not isinstance(event := await self.stream.events.get(), Finish):
                         pass
@@ -333,10 +336,11 @@ class Generation:
                 "total_tokens": prompt_tokens + self.completion_tokens}
 
     def stats(self) -> dict:
-        steps, accepted = len(self.finish.accepted), sum(self.finish.accepted)
+        per_step = self.finish.accepted[: self.verified]  # all where no stop string ended the text
+        steps, accepted = len(per_step), sum(per_step)
         return {"verify_steps": steps, "accepted_tokens": accepted,
                 "acceptance_length": round((accepted + steps) / steps, 4) if steps else None,
-                "accepted_per_step": self.finish.accepted}
+                "accepted_per_step": per_step}
 
 
 def create_app(worker: EngineWorker, tokenizer: PreTrainedTokenizerBase, model_name: str) -> FastAPI:

@@ -3,8 +3,8 @@
     worker = EngineWorker(engine)     # worker.metrics: what the app's /metrics renders
     worker.start()
     stream = await worker.submit(prompt_ids, SamplingParams(temperature=0), max_new_tokens=64, stop_ids={2})
-    while isinstance(event := await stream.events.get(), list):
-        ...                           # a list of new token ids
+    while isinstance(event := await stream.events.get(), Tokens):
+        ...                           # event.ids: new token ids; event.verified: the verifications so far
     event                             # Finish(reason, accepted, error)
     worker.shutdown()
 
@@ -39,6 +39,12 @@ class ShuttingDown(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Tokens:
+    ids: list[int]  # new token ids
+    verified: int  # the request's verifications so far, these tokens' included (len of its Finish's `accepted` then)
+
+
+@dataclass(frozen=True)
 class Finish:
     reason: str  # "stop", "length", "abort" or "error"
     accepted: list[int]  # per verification, the draft tokens it accepted
@@ -46,14 +52,14 @@ class Finish:
 
 
 class Stream:
-    """The asyncio side of one request: `events` yields lists of new token ids, then one `Finish`."""
+    """The asyncio side of one request: `events` yields `Tokens`, then one `Finish`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.events: asyncio.Queue[list[int] | Finish] = asyncio.Queue()
+        self.events: asyncio.Queue[Tokens | Finish] = asyncio.Queue()
         self.request: Request | None = None  # set and read by the worker thread only
 
-    def put(self, event: list[int] | Finish) -> None:  # from the worker thread
+    def put(self, event: Tokens | Finish) -> None:  # from the worker thread
         self.call(self.events.put_nowait, event)
 
     def call(self, fn, *args) -> None:
@@ -221,11 +227,11 @@ class EngineWorker:
             self.engine.abort(request)
 
     def _publish(self) -> None:
-        events: list[tuple[Stream, list[int] | Finish]] = []
+        events: list[tuple[Stream, Tokens | Finish]] = []
         for request, stream in list(self._live.items()):
             new = request.take_new_tokens()
             if new:
-                events.append((stream, new))
+                events.append((stream, Tokens(new, len(request.accepted))))
                 self.metrics.generation_tokens.inc(len(new))
             if request.finished:
                 del self._live[request]

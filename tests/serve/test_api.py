@@ -31,7 +31,7 @@ from eyas.serve.clients import EndpointClient
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.text import TextStream
-from eyas.serve.worker import EngineWorker, Finish, ShuttingDown, Stream
+from eyas.serve.worker import EngineWorker, Finish, ShuttingDown, Stream, Tokens
 from tests.conftest import make_hf_model
 from tests.serve.test_engine import random_head
 
@@ -215,7 +215,7 @@ def test_usage_counts_tokens_up_to_the_stop_string():
     async def count(events):
         stream = Stream(asyncio.get_running_loop())
         for event in events:
-            stream.events.put_nowait(event)
+            stream.events.put_nowait(Tokens(event, 0))
         gen = Generation(Worker(), stream, TextStream(tok, stop=[stop]), set())
         return "".join([piece async for piece in gen.pieces()]), gen.completion_tokens, gen.reason
 
@@ -223,6 +223,33 @@ def test_usage_counts_tokens_up_to_the_stop_string():
     text = tok.decode(ids)
     assert one_at_a_time == (text[: text.index(stop)], 2, "stop")
     assert asyncio.run(count([ids[:3], ids[3:]])) == one_at_a_time
+
+
+def test_stats_end_at_the_verification_that_completed_the_stop_string():
+    """Steps run until the stop string's abort reaches the engine: their verifications (in the Finish) are not the
+    text's, and the statistics end at the one whose tokens completed the stop string; without a stop string they
+    count every verification."""
+    tok = tokenizer()
+    ids = tok("alpha beta gamma delta", add_special_tokens=False).input_ids
+    steps = [1, 0, 2, 1]  # a verification per event below, and one more run before the abort landed
+
+    class Worker:
+        def abort(self, stream, reason="abort"):
+            stream.events.put_nowait(Finish(reason, steps))
+
+    async def stats(stop):
+        stream = Stream(asyncio.get_running_loop())
+        for verified, token in enumerate(ids[:3], 1):
+            stream.events.put_nowait(Tokens([token], verified))
+        if not stop:
+            stream.events.put_nowait(Finish("length", steps))
+        gen = Generation(Worker(), stream, TextStream(tok, stop=stop), set())
+        [piece async for piece in gen.pieces()]
+        return gen.stats()
+
+    cut = asyncio.run(stats([tok.decode(ids[1:2]).strip()]))  # completed by the second event
+    assert cut == {"verify_steps": 2, "accepted_tokens": 1, "acceptance_length": 1.5, "accepted_per_step": [1, 0]}
+    assert asyncio.run(stats([]))["accepted_per_step"] == steps
 
 
 def test_endpoint_client_finds_the_served_model(server):
@@ -738,7 +765,7 @@ def test_worker_shutdown_finishes_or_aborts_in_flight(grace, reason):
         stopping = asyncio.create_task(asyncio.to_thread(worker.shutdown, grace))
         tokens = 0
         while not isinstance(event := await stream.events.get(), Finish):
-            tokens += len(event)
+            tokens += len(event.ids)
         await stopping
         with pytest.raises(ShuttingDown):
             await worker.submit([1, 2, 3], SamplingParams(), max_new_tokens=4)
@@ -813,6 +840,6 @@ def test_worker_updates_metrics_before_sending_events(monkeypatch):
 
     asyncio.run(run())
     worker.shutdown()
-    deltas = [(len(event), generated) for event, generated, _ in sent[:-1]]
+    deltas = [(len(event.ids), generated) for event, generated, _ in sent[:-1]]
     assert [generated for _, generated in deltas] == list(itertools.accumulate(n for n, _ in deltas))
     assert isinstance(sent[-1][0], Finish) and sent[-1][1:] == (16, 32)
