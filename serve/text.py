@@ -67,7 +67,9 @@ class TextStream:
         return self._release(final=True)
 
     def _append(self, piece: str) -> None:
-        """Adds `piece` to `text`, which ends before the first stop string to appear whole (by its start), if any."""
+        """Adds `piece` to `text`, which ends before the first stop string to appear whole, if any: the one completed
+        in the earliest piece, and of those completed in one piece the one that starts first (the API pushes a token
+        at a time, so the stop string that the earliest token completes wins, as in vLLM)."""
         end = len(self.text)
         self.text += piece
         cut = len(self.text)

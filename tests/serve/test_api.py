@@ -343,6 +343,18 @@ def test_null_options_mean_their_defaults(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
+def test_a_completion_with_null_max_tokens_takes_openai_default(server):
+    """A completion's max_tokens at null is its default, 16 (it ran to the context's end); a chat's stays "up to
+    the context"."""
+    def usage(**options):
+        body = {"model": MODEL, "prompt": "Once upon", "temperature": 0, **options}
+        r = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["text"]
+
+    assert usage(max_tokens=None) == usage() and usage()[0] <= 16
+
+
 def test_unsupported_options_at_values_that_ask_for_nothing_are_accepted(server):
     """Clients send OpenAI's options they do not use at their neutral values; other values are refused by name, with
     OpenAI's code."""
