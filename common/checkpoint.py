@@ -112,10 +112,11 @@ def _gguf_parts(path: Path) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
-    """Within it, each GGUF file is parsed once: every `gguf.GGUFReader` of the same file is the first one made
-    (transformers makes its own for the config, the tensors and the tokenizer, and eyas one for the RoPE scaling;
-    SmolLM2's file takes 2.8 s a parse on a 2-core CPU). Readers only read (their tensors map the file), so sharing
-    one is safe; they are let go at the end. Nested uses share the outermost's readers."""
+    """Within it (or a function it decorates), each GGUF file is parsed once: every `gguf.GGUFReader` of the same
+    file is the first one made (transformers makes its own for the config, the tensors and the tokenizer, and eyas
+    one for the RoPE scaling; SmolLM2's `load_models` on a 2-core CPU took 24.4-29.1 s with four parses and
+    16.8-17.3 s with one: docs/perf.md, forty-fifth entry). Readers only read (their tensors map the file), so
+    sharing one is safe; they are let go at the end. Nested uses share the outermost's readers."""
     try:
         import gguf
     except ImportError:  # no GGUF to read: nothing to share
@@ -141,15 +142,11 @@ def gguf_parsed_once() -> Iterator[None]:
         gguf.GGUFReader = made
 
 
+@gguf_parsed_once()
 def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
     """(HF config dict, dequantised fp32 tensors under HF names) of a GGUF file, via transformers + gguf, the file
-    parsed once (`gguf_parsed_once`). A tensor the model needs and the file lacks is an error (transformers would fill
-    it with random values)."""
-    with gguf_parsed_once():
-        return _read_gguf(path)
-
-
-def _read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    parsed once. A tensor the model needs and the file lacks is an error (transformers would fill it with random
+    values)."""
     from transformers import AutoModelForCausalLM
 
     scaling = _gguf_rope_scaling(path)  # first: a scaling eyas cannot read fails before the tensors are dequantised
@@ -165,15 +162,15 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
     return _with_rope_scaling(hf_model.config.to_dict(), scaling), dict(hf_model.state_dict())
 
 
+@gguf_parsed_once()
 def gguf_config(path: Path) -> dict:
     """The HF config dict of a GGUF file: transformers' reading of its metadata, with the RoPE scaling that reading
     drops (`_gguf_rope_scaling`)."""
     from transformers import AutoConfig
 
-    with gguf_parsed_once():
-        scaling = _gguf_rope_scaling(path)
-        folder, name = _gguf_parts(path)
-        return _with_rope_scaling(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), scaling)
+    scaling = _gguf_rope_scaling(path)
+    folder, name = _gguf_parts(path)
+    return _with_rope_scaling(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), scaling)
 
 
 def _with_rope_scaling(config: dict, scaling: dict | None) -> dict:

@@ -157,10 +157,9 @@ class _Generation(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data):
-        """OpenAI's schema lets these options be null, meaning their default; clients send it so. A completion's
-        max_tokens too: null is its default of 16, not "up to the context" (a chat's default)."""
-        nullable = ("temperature", "top_p", "top_k", "n", "stream") + _UNSUPPORTED
-        nullable += ("max_tokens",) if cls.model_fields["max_tokens"].default is not None else ()
+        """OpenAI's schema lets these options be null, meaning their default; clients send it so (a completion's
+        max_tokens: 16, not a chat's "up to the context")."""
+        nullable = ("temperature", "top_p", "top_k", "n", "stream", "max_tokens") + _UNSUPPORTED
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if not (value is None and key in nullable)}
         return data

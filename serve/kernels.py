@@ -450,7 +450,7 @@ def whole_sm_call(M: int, N: int, K: int, float8: bool, on: Gpu = HOPPER) -> boo
     after one then starts each program as the one before leaves its SM, its first weights loading while the others
     finish, and the small kernels after one (rotary, attention) wait beside it. An 8B
     target's 32 layers of q/k/v, o, gate/up and down at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms
-    so against 5.33-5.37 at the launches before (one row: 4.51), and its (5, 4, 8) step --draft-fp8 6.90 against
+    so against 5.33-5.37 at the launches before (one row: 4.51-4.52), and its (5, 4, 8) step --draft-fp8 6.90 against
     7.20-7.25 ms (docs/perf.md, forty-fifth entry)."""
     return not float8 and long_call(M, N, K) and on.shared >= WHOLE_SM_SHARED
 

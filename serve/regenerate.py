@@ -116,14 +116,15 @@ def source_file(output: Path) -> Path:
     return output.with_name(output.name + ".source")
 
 
-def check_same_source(output: Path, data: Path) -> None:
-    """Records `data` (its size, and the SHA-256 of its first MiB) as `output`'s source, or, where one is recorded,
-    raises ValueError unless `data` is it: indices of one file skip another's conversations on a resume. An output
-    written before sources were recorded takes `data` as its source."""
+def check_same_source(output: Path, data: Path, written: bool) -> None:
+    """Records `data` (its size, and the SHA-256 of its first MiB) as `output`'s source, or, where `output` has
+    `written` conversations of a recorded source, raises ValueError unless `data` is it: indices of one file skip
+    another's conversations on a resume. An output written before sources were recorded takes `data` as its source;
+    one with nothing written takes any."""
     with open(data, "rb") as f:
         identity = {"bytes": data.stat().st_size, "sha256_first_mib": hashlib.sha256(f.read(1 << 20)).hexdigest()}
     recorded = source_file(output)
-    if not recorded.exists():
+    if not (written and recorded.exists()):
         recorded.write_text(json.dumps(identity) + "\n")
     elif (was := json.loads(recorded.read_text())) != identity:
         raise ValueError(f"{output} holds conversations of another data file ({was['bytes']:,} bytes; this one has "
@@ -165,13 +166,14 @@ def pending(data: str | Path, output: Path, limit: int | None = None, shard: tup
     """The conversations of `data` (a file or packaged data set name) still to regenerate into `output` (indices in
     neither it nor its `dropped_file`, an interrupted last line cut off), of the first `limit`, and of `shard` (i, n):
     those whose index is i modulo n (one process per GPU); how many are done already; and how many `data` holds (of
-    the first `limit`). Reads `data` whole (the reader parses the file at once anyway): a file it cannot read fails
-    here (ConversationError, OSError), before any reply is asked for, and so does a `data` that is not the one
-    `output` was regenerated from (ValueError: `check_same_source`)."""
+    the first `limit`). Reads `data` whole (the reader parses the file at once anyway) after the output: a damaged
+    output (ValueError: `written_indices`), a file the reader cannot read (ConversationError, OSError) and a `data`
+    that is not the one `output` was regenerated from (ValueError: `check_same_source`) fail here, before any reply
+    is asked for."""
+    done = written_indices(output, repair=True) | written_indices(dropped_file(output), repair=True)
     path = resolve_asset(data)
     conversations = list(islice(read_placed_conversations(path), limit))
-    check_same_source(output, path)
-    done = written_indices(output, repair=True) | written_indices(dropped_file(output), repair=True)
+    check_same_source(output, path, written=bool(done))
     i_shard, n_shards = shard
     todo = [((i, place), c) for i, (place, c) in enumerate(conversations) if i % n_shards == i_shard and i not in done]
     return todo, len(done), len(conversations)
@@ -245,15 +247,11 @@ def main(argv: list[str] | None = None) -> None:
     require_positive(parser, args, "batch_size", "max_new_tokens", "max_prompt_tokens", "limit")
     require_output_dirs(parser, args, "output")
     data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
-    try:  # a damaged line of an earlier run's output, found before the target loads
-        written_indices(args.output), written_indices(dropped_file(args.output))
-    except ValueError as e:
-        parser.error(f"--output: {e}")
-    try:  # so is a file the reader cannot read (not UTF-8, a directory)
+    try:  # so are a file the reader cannot read (not UTF-8, a directory) and a damaged or another file's output
         todo, done, read = pending(data, args.output, args.limit, args.shard)
     except (ConversationError, OSError) as e:
         parser.error(f"--data: {e}")
-    except ValueError as e:  # the output's conversations are another file's
+    except ValueError as e:
         parser.error(f"--output: {e}")
     except KeyboardInterrupt:
         print("interrupted while reading --data: nothing written", file=sys.stderr)

@@ -84,6 +84,20 @@ def test_a_resume_from_another_data_file_is_refused(tmp_path, capsys):
     assert regenerate_file(data, out, EchoClient([]), batch_size=2) == 1  # the same file: the one left
 
 
+def test_an_output_with_nothing_written_takes_any_data_file(tmp_path):
+    """A run that wrote nothing (its model failed to load, say) leaves a source recorded but no conversation to
+    misnumber: a rerun with another --data starts afresh."""
+    data, other, out = tmp_path / "in.jsonl", tmp_path / "other.jsonl", tmp_path / "out.jsonl"
+    data.write_text(json.dumps({"messages": conv("q", "old")}) + "\n")
+    other.write_text(json.dumps({"messages": conv("a longer question", "old")}) + "\n")
+    assert regenerate_file(data, out, EchoClient([], reply=lambda p: ""), batch_size=1) == 0  # dropped: written
+    assert regenerate_file(data, tmp_path / "fresh.jsonl", EchoClient([]), batch_size=1, limit=1) == 1
+    (tmp_path / "fresh.jsonl").unlink()  # as if its first run had failed before writing
+    assert regenerate_file(other, tmp_path / "fresh.jsonl", EchoClient([]), batch_size=1) == 1
+    with pytest.raises(ValueError, match="another data file"):  # the dropped conversation counts as written
+        regenerate_file(other, out, EchoClient([]), batch_size=1)
+
+
 def test_conversations_without_an_assistant_turn_are_not_asked_again(tmp_path):
     """A first prompt answered empty (or refused) leaves nothing to train on: listed in `<output>.dropped`, not in
     the output, and a rerun does not ask for it again."""
