@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import os
 from typing import NamedTuple
@@ -99,17 +100,26 @@ def _launches_dependents(device: torch.device) -> bool:
             and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
-def launch_options(device: torch.device, long: bool = False, whole_sm: bool = False) -> dict:
+class Placement(enum.Enum):
+    """How a kernel's programs sit on the SMs, which decides its launch (`launch_options`)."""
+
+    SHORT = enum.auto()  # a few µs, several programs an SM: every kernel but `rows_kernel`'s long calls
+    SHARES_SM = enum.auto()  # a long call whose programs share SMs (`long_call`: float8 copies, a launch given)
+    WHOLE_SM = enum.auto()  # a long call of one program an SM (`whole_sm_call`)
+
+
+def launch_options(device: torch.device, placement: Placement = Placement.SHORT) -> dict:
     """What every kernel here (and the Triton attention's) launches with: on Hopper and later, programmatic
     dependent launch. A kernel then starts while the one before it in the stream is finishing, and waits for it
     in `follow`, so the gap between two kernels of a CUDA graph (about 2.5 µs on an H200, docs/perf.md) overlaps
     the first one's last programs. Off elsewhere (older GPUs, the CPU interpreter, a Triton without `gdc_wait`), and
-    for a `long` call that shares SMs (`long_call`) but where kernels release late (`releasing_late`). A `whole_sm`
-    kernel (`whole_sm_call`: one program an SM) lets the next launch at once even there: a whole-SM call after it
-    cannot put two programs on an SM, so each starts as the one before leaves its SM."""
-    if not _launches_dependents(device) or (long and not whole_sm and not _releasing_late):
+    for a long call that shares SMs (SHARES_SM) but where kernels release late (`releasing_late`). A WHOLE_SM call
+    lets the next launch at once even there: a whole-SM call after it cannot put two programs on an SM, so each
+    starts as the one before leaves its SM."""
+    if not _launches_dependents(device) or (placement is Placement.SHARES_SM and not _releasing_late):
         return {"PDL": 0}
-    return {"PDL": LATE.value if _releasing_late and not whole_sm else EARLY.value, "launch_pdl": True}
+    early = placement is Placement.WHOLE_SM or not _releasing_late
+    return {"PDL": EARLY.value if early else LATE.value, "launch_pdl": True}
 
 
 @jit
@@ -550,12 +560,12 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
                 quantized: Fp8Weight | None = None, launch: RowsLaunch | None = None, residual: Tensor | None = None,
                 norm: tuple[Tensor | None, float] | None = None) -> Tensor:
     """`rows_matmul`'s kernel, whatever the weight's size (`launch`: the served one unless given, as the linear
-    benchmark sweeps them, under the served launch's PDL): tensor cores, under programmatic dependent launch but for
-    long calls that share SMs where kernels release early (`long_call`; at their served launch, long calls on bf16
-    weights hold whole SMs and release the next kernel early: `whole_sm_call`), the first weights loaded before
-    waiting on the kernel before, SiLU·mul of the
-    output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul` take two) and
-    the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
+    benchmark sweeps them, a long call given one placed as one that shares SMs): tensor cores, under programmatic
+    dependent launch but for long calls that share SMs where kernels release early (`long_call`; at their served
+    launch, long calls on bf16 weights hold whole SMs and release the next kernel early: `whole_sm_call`), the first
+    weights loaded before waiting on the kernel before, SiLU·mul of the output's halves (`silu_mul_output`, a joint
+    gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the epilogue,
+    reading the float8 copy `quantized` where given.
     Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
     through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an
     unsplit launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A
@@ -570,9 +580,13 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
     float8, on = quantized is not None, gpu(x.device)
-    served = rows_launch(M, N_out, K, float8, silu_mul_output, on)
-    launch = as_run(launch, K) if launch else served
-    whole_sm = whole_sm_call(M, N, K, float8, on) and launch == served  # a launch given is timed as one sharing SMs
+    if launch is None:
+        launch = rows_launch(M, N_out, K, float8, silu_mul_output, on)
+        placement = (Placement.WHOLE_SM if whole_sm_call(M, N, K, float8, on)
+                     else Placement.SHARES_SM if long_call(M, N, K) else Placement.SHORT)
+    else:  # a launch given (the linear benchmark's sweep) is timed as one sharing SMs where the call is long
+        launch = as_run(launch, K)
+        placement = Placement.SHARES_SM if long_call(M, N, K) else Placement.SHORT
     block_n, block_k, stages, warps, splits = launch
     if norm is not None and (norm[0] is not None or splits > 1 or float8):
         rows, norm = rms_norm(rows, *norm), None
@@ -591,7 +605,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
-        **launch_options(x.device, long=long_call(M, N, K), whole_sm=whole_sm),
+        **launch_options(x.device, placement),
     )
     return out
 

@@ -46,12 +46,19 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)
 
+    def _shown_text(self) -> str:
+        """The window's shown ids decoded; the first window (the prompt's last ids) less an incomplete character at
+        its end, which the answer's first tokens complete: the answer shows it. (A window the answer's ids begin
+        starts with the rest of that character's bytes, as "\ufffd", in `before` and `after` alike.)"""
+        text = self._decode(self.ids[self.window : self.shown])
+        return text.rstrip("\ufffd") if self.window == 0 else text
+
     def push(self, ids: list[int]) -> str:
         """Adds generated ids; returns the new text that can be shown."""
         if self.stopped:
             return ""
         self.ids += ids
-        before = self._decode(self.ids[self.window : self.shown])
+        before = self._shown_text()
         after = self._decode(self.ids[self.window :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self._append(after[len(before) :])
@@ -61,7 +68,7 @@ class TextStream:
     def finish(self) -> str:
         """The rest of the text (an incomplete character included, as a full decode would show it)."""
         if not self.stopped and self.shown < len(self.ids):
-            before = self._decode(self.ids[self.window : self.shown])
+            before = self._shown_text()
             self._append(self._decode(self.ids[self.window :])[len(before) :])
             self.shown = len(self.ids)
         return self._release(final=True)

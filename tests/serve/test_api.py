@@ -688,6 +688,18 @@ def test_text_stream_decodes_the_first_tokens_after_the_prompt():
     assert out.choices[0].text.startswith(" w") and out.usage.completion_tokens == 3, out
 
 
+def test_text_stream_shows_a_character_the_prompt_began_with_the_answer():
+    """Token ids that end inside a UTF-8 character (a byte-level token holding its first bytes): the answer's first
+    token completes it, and the answer shows it whole."""
+    tok = tokenizer()
+    ids = tok("hawk 🦅 soars", add_special_tokens=False).input_ids
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    answer = tok.decode(ids)[len(tok.decode(ids[:cut]).rstrip("\ufffd")):]
+    assert answer.startswith("🦅")
+    stream = TextStream(tok, prompt=ids[:cut])
+    assert "".join(stream.push([i]) for i in ids[cut:]) + stream.finish() == answer
+
+
 def test_a_completion_prompt_in_openais_other_forms(server):
     """Token ids, or a list of one prompt (LangChain sends its prompts as a list); more than one is refused."""
     client = server.client()

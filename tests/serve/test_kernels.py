@@ -846,7 +846,7 @@ def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
 def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_sharing_sms(monkeypatch):
     """`rows_kernel` reads its device's SMs and shared memory (`gpu`): an 8B target's o at 8 rows takes 64 columns a
     program on 100 SMs, and shares SMs (no PDL outside `releasing_late`) where a program may ask 99 KB. A launch
-    given (the linear benchmark's grid) that is not the served one runs as a long call that shares SMs."""
+    given (the linear benchmark's grid), even the served one, runs as a long call that shares SMs."""
     launched = []
 
     class Recorder:
@@ -865,8 +865,10 @@ def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_shar
     monkeypatch.setattr(kernels, "gpu", lambda device: kernels.HOPPER)
     kernels.rows_kernel(x, weight, launch=kernels.RowsLaunch(32, 128, 4, 4, 1))
     kernels.rows_kernel(x, weight, launch=kernels.rows_launch(8, 4096, 4096, False, False))
-    *_, other, served = launched
-    assert other["PDL"] == 0 and served["PDL"] == kernels.EARLY.value
+    kernels.rows_kernel(x, weight)
+    *_, other, given_served, served = launched
+    assert other["PDL"] == given_served["PDL"] == 0 and served["PDL"] == kernels.EARLY.value
+    assert given_served["BLOCK_N"] == served["BLOCK_N"] and given_served["num_stages"] == served["num_stages"]
 
 
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
