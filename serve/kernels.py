@@ -408,9 +408,10 @@ ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weigh
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
 # long calls, a joint gate/up weight counting as one of its halves (an 8B target's q/k/v, gate/up and down at
 # verification: the folded norm, SiLU·mul and the residual add in the call, no split-K reduce; the 8B (5, 4, 8) step
-# 5.61 against 5.73-5.75 ms with q/k/v and down, 5.49 against 5.54 with gate/up too). Larger weights go to cuBLAS:
-# q/k/v and down at 48 rows made the (6, 8, 48) step slower (6.93 against 6.30 ms, launched without PDL), and
-# SmolLM2's lm_head (K = 576) is faster there (docs/perf.md, sixteenth, thirty-sixth and thirty-seventh entries).
+# 5.61 against 5.73-5.75 ms with q/k/v and down, 5.49 against 5.54 with gate/up too), and at 33 to 64 rows where
+# their programs hold whole SMs (`whole_sm_call`; launched without PDL and sharing SMs, q/k/v and down at 48 rows had
+# made the (6, 8, 48) step slower, 6.93 against 6.30 ms). Larger weights go to cuBLAS, and SmolLM2's lm_head (K = 576)
+# is faster there (docs/perf.md, sixteenth, thirty-sixth, thirty-seventh and forty-sixth entries).
 ROWS_MAX_WEIGHT = 1 << 24
 ROWS_LONG_MAX_WEIGHT = 1 << 26
 ROWS_LONG_MIN_K = 4096  # a long call's inputs, at least
@@ -455,14 +456,18 @@ def long_call(M: int, N: int, K: int) -> bool:
 def whole_sm_call(M: int, N: int, K: int, float8: bool, on: Gpu = HOPPER) -> bool:
     """Whether `rows_kernel`'s served launch at M rows of a weight [N, K] on GPU `on` gives each program more than half
     an SM's shared memory (`rows_launch`), so that one program runs an SM: a long call on bf16 or fp16 weights (an 8B
-    target's verification), where a program may ask WHOLE_SM_SHARED (Hopper, an A100; not sm_86/sm_89's 99 KB). Those
-    let the next kernel launch at once under PDL (`launch_options`), even where kernels release late: a whole-SM call
-    after one then starts each program as the one before leaves its SM, its first weights loading while the others
-    finish, and the small kernels after one (rotary, attention) wait beside it. An 8B
-    target's 32 layers of q/k/v, o, gate/up and down at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms
-    so against 5.33-5.37 at the launches before (one row: 4.51-4.52), and its (5, 4, 8) step --draft-fp8 6.90 against
-    7.20-7.25 ms (docs/perf.md, forty-fifth entry)."""
-    return not float8 and long_call(M, N, K) and on.shared >= WHOLE_SM_SHARED
+    target's verification) or the same weights at 33 to ROWS_MAX rows (a 64-row tile: a (6, 8, 48) verification),
+    where a program may ask WHOLE_SM_SHARED (Hopper, an A100; not sm_86/sm_89's 99 KB). Those let the next kernel
+    launch at once under PDL (`launch_options`), even where kernels release late: a whole-SM call after one then
+    starts each program as the one before leaves its SM, its first weights loading while the others finish, and the
+    small kernels after one (rotary, attention) wait beside it. An 8B target's 32 layers of q/k/v, o, gate/up and down
+    at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms against 5.33-5.37 at the launches before (one
+    row: 4.51-4.52), and its (5, 4, 8) step --draft-fp8 6.90 against 7.20-7.25 ms; at 48 rows 5.31 against 5.68-5.71
+    on cuBLAS (the o on the kernel, sharing SMs), and the (6, 8, 48) step 7.71 against 8.04-8.05 (docs/perf.md,
+    forty-fifth and forty-sixth entries). 17 to 32 rows (a 32-row tile) have no such launch timed: cuBLAS."""
+    rows_fit = M <= ROWS_FEW or ROWS_MAX // 2 < M <= ROWS_MAX
+    return (not float8 and rows_fit and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
+            and on.shared >= WHOLE_SM_SHARED)
 
 
 def _few_rows_of_large_weight(M: int, entries: int) -> bool:
@@ -475,13 +480,13 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                 norm: tuple[Tensor | None, float] | None = None, silu_mul_output: bool = False,
                 residual: Tensor | None = None, donate_residual: bool = False, quantized: Fp8Weight | None = None
                 ) -> Tensor:
-    """`fused_linear` past one row (or on inputs its one-token kernel does not take): `rows_kernel` for a few rows (2
-    to ROWS_MAX: verification, a draft pass) of a small weight, in a long call of a larger one (`long_call`), or of a
-    large one with a float8 copy (`quantized`, which it then reads: ROWS_FEW), with SiLU·mul and the residual add in
-    its epilogue; cuBLAS (and `silu_mul`) with `weight` otherwise, adding a donated residual in its matmul (beta = 1,
-    in place). The RMSNorm runs in its own launch before the matmul, but for a folded one (a unit weight,
-    `fold_norm`): its 1 / RMS, a per-row scale that commutes with the matmul, scales the few-rows kernel's sums, or
-    SiLU·mul's inputs after cuBLAS's gate/up.
+    """`fused_linear` past one row (or on inputs its one-token kernel does not take): `rows_kernel` for a few rows (2 to
+    ROWS_MAX: verification, a draft pass) of a small weight, in a long or whole-SM call of a larger one (`long_call`,
+    `whole_sm_call`), or of a large one with a float8 copy (`quantized`, which it then reads: ROWS_FEW), with SiLU·mul
+    and the residual add in its epilogue; cuBLAS (and `silu_mul`) with `weight` otherwise, adding a donated residual in
+    its matmul (beta = 1, in place). The RMSNorm runs in its own launch before the matmul, but for a folded one (a unit
+    weight, `fold_norm`): its 1 / RMS, a per-row scale that commutes with the matmul, scales the few-rows kernel's sums,
+    or SiLU·mul's inputs after cuBLAS's gate/up.
     x [..., K], weight [N, K], residual [..., N] -> [..., N] ([..., N / 2] with silu_mul_output)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"input of {x.shape[-1]} features for a [{N}, {K}] weight"
@@ -510,7 +515,8 @@ def rows_operands(x: Tensor, weight: Tensor, quantized: Fp8Weight | None, silu_m
     M = x.numel() // K
     if quantized is not None and not reads_fp8_rows(M, N, K):
         quantized = None
-    largest = ROWS_LONG_MAX_WEIGHT if long_call(M, N, K) else ROWS_MAX_WEIGHT
+    long = long_call(M, N, K) or whole_sm_call(M, N, K, quantized is not None, gpu(x.device))
+    largest = ROWS_LONG_MAX_WEIGHT if long else ROWS_MAX_WEIGHT
     entries = N * K // (2 if silu_mul_output else 1)
     takes = (2 <= M <= ROWS_MAX and (entries <= largest or quantized is not None)
              and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
@@ -531,23 +537,29 @@ class RowsLaunch(NamedTuple):
 def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gpu = HOPPER) -> RowsLaunch:
     """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (of each half of a joint gate/up
     weight with `silu_mul`), on GPU `on`, from sweeps on an H200 and an H100 (docs/perf.md): 32 weight rows a program,
-    long chunks of K for up to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as `rows_splits`
-    says. Long calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one program an SM:
-    32 weight rows in 6 stages (120 KB) where their tiles fit one wave, else 64 in 4 (an 8B target's q/k/v: 192 tiles
-    of 32 on 132 SMs), and through SiLU·mul 64 rows of each half in 5 stages of 128 (144 KB). Where a program may not
-    ask that much, a long call through SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB; four programs an
-    SM). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a
-    program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
+    long chunks of K for up to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as `rows_splits` says.
+    Long calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one program an SM: 32 weight
+    rows in 6 stages (120 KB) where their tiles fit one wave, else 64 in 4 (an 8B target's q/k/v: 192 tiles of 32 on 132
+    SMs), and through SiLU·mul 64 rows of each half in 5 stages of 128 (144 KB); at 33 to 64 rows (a 64-row tile of
+    inputs) 32 weight rows in 5 stages of 128 (120 KB) where they fit one wave, else 64 in 9 of 64 (144 KB), and through
+    SiLU·mul 64 of each half in 3 of 128 (144 KB), each shape's fastest at 48 rows on an H100 (docs/perf.md, forty-sixth
+    entry). Where a program may not ask that much, a long call through SiLU·mul takes 64 rows of each half in chunks of
+    64 (54 KB; four programs an SM). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split
+    four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against
+    9.2-9.4)."""
     if float8:
         tiles = triton.cdiv(N_out, 64)
         block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
         return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
     N = (2 if silu_mul else 1) * N_out
     if whole_sm_call(M, N, K, float8, on):
-        if silu_mul:
+        one_wave = triton.cdiv(N_out, 32) <= on.sms
+        if M > ROWS_FEW:  # a 64-row tile of inputs, 16 KB a 128-long chunk: shorter chunks, fewer stages
+            block_n, block_k, stages = (64, 128, 3) if silu_mul else (32, 128, 5) if one_wave else (64, 64, 9)
+        elif silu_mul:
             block_n, block_k, stages = 64, 128, 5
         else:
-            block_n, block_k, stages = (32, 256, 6) if triton.cdiv(N_out, 32) <= on.sms else (64, 256, 4)
+            block_n, block_k, stages = (32, 256, 6) if one_wave else (64, 256, 4)
     elif silu_mul and long_call(M, N, K):
         block_n, block_k, stages = 64, 64, 4
     else:
