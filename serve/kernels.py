@@ -408,7 +408,7 @@ ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weigh
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
 # long calls, a joint gate/up weight counting as one of its halves (an 8B target's q/k/v, gate/up and down at
 # verification: the folded norm, SiLU·mul and the residual add in the call, no split-K reduce; the 8B (5, 4, 8) step
-# 5.61 against 5.73-5.75 ms with q/k/v and down, 5.49 against 5.54 with gate/up too), and at 33 to 64 rows where
+# 5.61 against 5.73-5.75 ms with q/k/v and down, 5.49 against 5.54 with gate/up too), and at 17 to 64 rows where
 # their programs hold whole SMs (`whole_sm_call`; launched without PDL and sharing SMs, q/k/v and down at 48 rows had
 # made the (6, 8, 48) step slower, 6.93 against 6.30 ms). Larger weights go to cuBLAS, and SmolLM2's lm_head (K = 576)
 # is faster there (docs/perf.md, sixteenth, thirty-sixth, thirty-seventh and forty-sixth entries).
@@ -425,7 +425,14 @@ class Gpu(NamedTuple):
 
 
 HOPPER = Gpu(132, 227 << 10)  # an H100's or H200's: the launches off CUDA (the interpreter, launches on meta tensors)
-WHOLE_SM_SHARED = 145 << 10  # what a program may ask where `rows_launch` gives whole-SM launches (the largest: 144 KB)
+WHOLE_SM_SHARED = 193 << 10  # what a program may ask where `rows_launch` gives whole-SM launches (the largest: 192 KB)
+# `rows_launch`'s whole-SM launches by the tile of rows (BLOCK_M) they run in: (BLOCK_N, BLOCK_K, stages) on a plain
+# weight whose tiles of 32 columns fit one wave of the SMs, on one whose do not, and through SiLU·mul; each the fastest
+# of its shapes in sweeps at 8, 32 and 48 rows on an H100, and 120-192 KB of shared memory a program, compiled for sm_90
+# (docs/perf.md, forty-fifth and forty-sixth entries).
+WHOLE_SM_LAUNCHES = {16: ((32, 256, 6), (64, 256, 4), (64, 128, 5)),
+                     32: ((32, 256, 5), (64, 256, 4), (64, 128, 4)),
+                     64: ((32, 128, 5), (64, 64, 9), (64, 128, 3))}
 
 
 @functools.cache
@@ -456,17 +463,17 @@ def long_call(M: int, N: int, K: int) -> bool:
 def whole_sm_call(M: int, N: int, K: int, float8: bool, on: Gpu = HOPPER) -> bool:
     """Whether `rows_kernel`'s served launch at M rows of a weight [N, K] on GPU `on` gives each program more than half
     an SM's shared memory (`rows_launch`), so that one program runs an SM: a long call on bf16 or fp16 weights (an 8B
-    target's verification) or the same weights at 33 to ROWS_MAX rows (a 64-row tile: a (6, 8, 48) verification),
-    where a program may ask WHOLE_SM_SHARED (Hopper, an A100; not sm_86/sm_89's 99 KB). Those let the next kernel
+    target's verification) or the same weights at up to ROWS_MAX rows (a (6, 8, 48) verification), where a program
+    may ask WHOLE_SM_SHARED (Hopper; not an A100's 163 KB or sm_86/sm_89's 99 KB). Those let the next kernel
     launch at once under PDL (`launch_options`), even where kernels release late: a whole-SM call after one then
     starts each program as the one before leaves its SM, its first weights loading while the others finish, and the
     small kernels after one (rotary, attention) wait beside it. An 8B target's 32 layers of q/k/v, o, gate/up and down
     at 8 rows, back to back in a CUDA graph on an H100, took 5.01 ms against 5.33-5.37 at the launches before (one
     row: 4.51-4.52), and its (5, 4, 8) step --draft-fp8 6.90 against 7.20-7.25 ms; at 48 rows 5.31 against 5.68-5.71
-    on cuBLAS (the o on the kernel, sharing SMs), and the (6, 8, 48) step 7.71 against 8.04-8.05 (docs/perf.md,
-    forty-fifth and forty-sixth entries). 17 to 32 rows (a 32-row tile) have no such launch timed: cuBLAS."""
-    rows_fit = M <= ROWS_FEW or ROWS_MAX // 2 < M <= ROWS_MAX
-    return (not float8 and rows_fit and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
+    on cuBLAS (the o on the kernel, sharing SMs), and the (6, 8, 48) step 7.71 against 8.04-8.05; at 32 rows 5.14
+    against 5.59-5.60, and a (6, 8, 32) step 7.41-7.42 against 7.84 (docs/perf.md, forty-fifth and forty-sixth
+    entries)."""
+    return (not float8 and M <= ROWS_MAX and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
             and on.shared >= WHOLE_SM_SHARED)
 
 
@@ -538,12 +545,10 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
     """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (of each half of a joint gate/up
     weight with `silu_mul`), on GPU `on`, from sweeps on an H200 and an H100 (docs/perf.md): 32 weight rows a program,
     long chunks of K for up to 16 rows of a long K, 4 stages of loads in flight, 4 warps; K split as `rows_splits` says.
-    Long calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one program an SM: 32 weight
-    rows in 6 stages (120 KB) where their tiles fit one wave, else 64 in 4 (an 8B target's q/k/v: 192 tiles of 32 on 132
-    SMs), and through SiLU·mul 64 rows of each half in 5 stages of 128 (144 KB); at 33 to 64 rows (a 64-row tile of
-    inputs) 32 weight rows in 5 stages of 128 (120 KB) where they fit one wave, else 64 in 9 of 64 (144 KB), and through
-    SiLU·mul 64 of each half in 3 of 128 (144 KB), each shape's fastest at 48 rows on an H100 (docs/perf.md, forty-sixth
-    entry). Where a program may not ask that much, a long call through SiLU·mul takes 64 rows of each half in chunks of
+    Whole-SM calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one program an SM, as
+    WHOLE_SM_LAUNCHES gives for their tile of rows: 32 weight rows where their tiles fit one wave, else 64 (an 8B
+    target's q/k/v: 192 tiles of 32 on 132 SMs), and through SiLU·mul 64 rows of each half. Where a program may not ask
+    that much, a long call through SiLU·mul takes 64 rows of each half in chunks of
     64 (54 KB; four programs an SM). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split
     four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against
     9.2-9.4)."""
@@ -553,13 +558,8 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
         return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
     N = (2 if silu_mul else 1) * N_out
     if whole_sm_call(M, N, K, float8, on):
-        one_wave = triton.cdiv(N_out, 32) <= on.sms
-        if M > ROWS_FEW:  # a 64-row tile of inputs, 16 KB a 128-long chunk: shorter chunks, fewer stages
-            block_n, block_k, stages = (64, 128, 3) if silu_mul else (32, 128, 5) if one_wave else (64, 64, 9)
-        elif silu_mul:
-            block_n, block_k, stages = 64, 128, 5
-        else:
-            block_n, block_k, stages = (32, 256, 6) if one_wave else (64, 256, 4)
+        one_wave, other, through_silu = WHOLE_SM_LAUNCHES[max(16, triton.next_power_of_2(M))]
+        block_n, block_k, stages = through_silu if silu_mul else one_wave if triton.cdiv(N_out, 32) <= on.sms else other
     elif silu_mul and long_call(M, N, K):
         block_n, block_k, stages = 64, 64, 4
     else:

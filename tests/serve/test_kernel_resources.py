@@ -103,8 +103,8 @@ def test_kernels_released_late_let_the_next_launch_only_at_their_end():
 def test_whole_sm_calls_are_those_whose_program_fills_an_sm(arch, rows, float8):
     """`whole_sm_call` names the served few-rows launches that launch early even where kernels release late
     (`launch_options`), as no SM can run two of their programs: those whose program asks more than half an SM's
-    shared memory. An 8B target's calls on bf16 weights at verification's up to ROWS_FEW or 33 to 64 rows are; the
-    float8 copies' (a draft head's passes), those at 17 to 32 rows and SmolLM2's are not."""
+    shared memory, and no more than WHOLE_SM_SHARED. An 8B target's calls on bf16 weights at verification are; the
+    float8 copies' (a draft head's passes) and SmolLM2's are not."""
     found = {}
     for name, (N, K, silu) in weight_shapes(arch).items():
         if name == "lm_head":  # cuBLAS's
@@ -115,5 +115,5 @@ def test_whole_sm_calls_are_those_whose_program_fills_an_sm(arch, rows, float8):
         assert shared <= SM_SHARED_MEMORY, f"{name} at {rows} rows asks {shared} bytes of shared memory"
         found[name] = 2 * shared > SM_SHARED_MEMORY
         assert found[name] == kernels.whole_sm_call(rows, N, K, float8), f"{name} at {rows} rows: {shared} bytes"
-    whole_rows = rows <= kernels.ROWS_FEW or 32 < rows <= kernels.ROWS_MAX
-    assert found and any(found.values()) == (arch == "llama-3.1-8b" and whole_rows and not float8)
+        assert not found[name] or shared <= kernels.WHOLE_SM_SHARED, f"{name} at {rows} rows: {shared} bytes"
+    assert found and any(found.values()) == (arch == "llama-3.1-8b" and not float8)

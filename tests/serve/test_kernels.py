@@ -456,8 +456,8 @@ def test_norm_cat_cuda(dtype, rows, n, strided):
 
 
 # Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel), 8 (a tree's
-# verification: the four projections as long calls of `rows_kernel`, the lm_head on cuBLAS), 33 to 64 (whole-SM
-# calls of `rows_kernel`) and 32 (cuBLAS but o).
+# verification: the four projections as long calls of `rows_kernel`, the lm_head on cuBLAS), and 17 to 64 (whole-SM
+# calls of `rows_kernel` in a 32- or 64-row tile).
 # The residual stream is added by o and down ("donated": cuBLAS adds in place); the norms before q/k/v and gate/up
 # are whole or folded ("unit").
 LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, False, False, False, True),
@@ -472,7 +472,8 @@ LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, Fal
                (17, 576, 1536, False, False, True, True), (8, 576, 1536, False, False, False, "donated"),
                (64, 960, 576, "unit", False, False, False), (8, 3072, 576, False, True, True, False),
                (33, 28672, 4096, "unit", True, False, False), (64, 4096, 14336, False, False, False, True),
-               (32, 6144, 4096, "unit", False, False, False)]
+               (32, 6144, 4096, "unit", False, False, False), (17, 4096, 14336, False, False, False, "donated"),
+               (24, 28672, 4096, "unit", True, False, False)]
 # rows, N, K, norm, silu, bias, residual; past one row, `rows_operands` routes them
 # Float8 copies (`--draft-fp8`) at a Llama-3.1-8B EAGLE-3 head's shapes: q/k/v on the 2H input, gate/up, down, the
 # 32,000-row lm_head with the final norm, fc, o; one row (a chain's pass), 4 to 8 (a tree's, K split over 2 or 4
@@ -776,10 +777,10 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
 
 def test_rows_operands_take_large_weights_only_in_long_calls():
     """bf16 weights of up to ROWS_MAX_WEIGHT entries go to the few-rows kernel at 2 to ROWS_MAX rows, larger ones of up
-    to ROWS_LONG_MAX_WEIGHT only as long or whole-SM calls (`long_call` up to ROWS_FEW rows, `whole_sm_call` also at
-    33 to 64: an 8B target's q/k/v, down and gate/up, bounded by one half's entries through SiLU·mul, at
-    verification; not SmolLM2's lm_head, nor a 32,000-row lm_head of the gate/up's entries); float8 copies of large
-    weights are read up to ROWS_FEW rows; the rest goes to cuBLAS."""
+    to ROWS_LONG_MAX_WEIGHT only as long or whole-SM calls (`long_call`, `whole_sm_call`: an 8B target's q/k/v, down
+    and gate/up, bounded by one half's entries through SiLU·mul, at verification; not SmolLM2's lm_head, nor a
+    32,000-row lm_head of the gate/up's entries); float8 copies of large weights are read up to ROWS_FEW rows; the
+    rest goes to cuBLAS."""
     def takes(rows, N, K, fp8=False, silu=False):
         weight = torch.empty(N, K, dtype=torch.bfloat16, device="meta")
         copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device="meta"), torch.empty(N, device="meta")) if fp8 else None
@@ -789,11 +790,11 @@ def test_rows_operands_take_large_weights_only_in_long_calls():
         return taken
 
     assert takes(8, 6144, 4096) and takes(2, 4096, 14336) and takes(16, 4096, 14336)
-    assert not takes(17, 4096, 14336) and not takes(32, 6144, 4096) and takes(64, 4096, 4096)
+    assert takes(17, 4096, 14336) and takes(32, 6144, 4096) and takes(64, 4096, 4096)
     assert takes(33, 4096, 14336) and takes(48, 6144, 4096) and takes(64, 6144, 4096) and not takes(65, 6144, 4096)
     assert not takes(1, 4096, 4096) and not takes(65, 4096, 4096)
     assert takes(8, 28672, 4096, silu=True) and not takes(8, 28672, 4096) and not takes(8, 32000, 4096)
-    assert not takes(17, 28672, 4096, silu=True) and not takes(8, 57344, 4096, silu=True)
+    assert takes(17, 28672, 4096, silu=True) and not takes(8, 57344, 4096, silu=True)
     assert takes(48, 28672, 4096, silu=True) and not takes(48, 32000, 4096) and not takes(48, 16384, 2048)
     assert not takes(8, 49152, 576) and takes(8, 49152, 576, fp8=True)
     assert takes(16, 28672, 4096, fp8=True) and not takes(17, 28672, 4096, fp8=True)
@@ -802,7 +803,7 @@ def test_rows_operands_take_large_weights_only_in_long_calls():
 def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(monkeypatch):
     """Under programmatic dependent launch a long call that shares SMs (`long_call` on a float8 copy: few rows of a
     large weight over a long K) launches without it (the 8B step is faster so), a long call on bf16 weights, which
-    holds whole SMs (`whole_sm_call`), and any other with it: a smaller weight, a shorter K, more rows. Within
+    holds whole SMs (`whole_sm_call`), and any other with it: a smaller weight, a shorter K. Within
     `releasing_late` every one but the whole-SM call launches under it and lets the next launch only at its end."""
     launched = []
 
@@ -813,7 +814,7 @@ def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(
     def launch_all():
         launched.clear()
         for rows, N, K, float8 in [(16, 4096, 4096, True), (16, 4096, 4096, False), (16, 4095, 4096, False),
-                                   (16, 32768, 512, False), (17, 4096, 4096, False)]:
+                                   (16, 32768, 512, False)]:
             copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device="meta"), torch.empty(N, device="meta"))
             kernels.rows_kernel(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"),
                                 torch.empty(N, K, dtype=torch.bfloat16, device="meta"),
@@ -835,9 +836,9 @@ def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(
 def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
     """A bf16 long call's program fills an SM (`whole_sm_call`): 32 output columns a program where the tiles fit the
     GPU's SMs at once (an 8B target's o and down: 128 tiles on 132 SMs), else 64 (its q/k/v: 192 tiles of 32);
-    through SiLU·mul always 64 of each half; at 33 to 64 rows (a 64-row tile of inputs) in shorter chunks and fewer
-    stages, and none at 17 to 32. Where a program may not ask WHOLE_SM_SHARED (sm_86/sm_89's 99 KB) the launches
-    share SMs as before; float8 copies' launches do not depend on the GPU."""
+    through SiLU·mul always 64 of each half; past 16 rows, as WHOLE_SM_LAUNCHES gives for the rows' tile. Where a
+    program may not ask WHOLE_SM_SHARED (an A100's 163 KB, sm_86/sm_89's 99 KB) the launches share SMs as before;
+    float8 copies' launches do not depend on the GPU."""
     def launch(N_out, on, silu=False, float8=False, rows=8):
         return kernels.rows_launch(rows, N_out, 4096, float8, silu, on)
 
@@ -851,9 +852,10 @@ def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
     assert [kernels.whole_sm_call(8, 4096, 4096, False, on) for on in (hopper, small)] == [True, False]
     assert launch(4096, hopper, rows=48) == (32, 128, 5, 4, 1) and launch(6144, hopper, rows=33) == (64, 64, 9, 4, 1)
     assert launch(14336, hopper, silu=True, rows=64) == (64, 128, 3, 4, 1)
-    assert launch(4096, hopper, rows=32) == launch(4096, small, rows=48) == (32, 128, 4, 4, 1)
-    assert [kernels.whole_sm_call(rows, 4096, 4096, False) for rows in (16, 17, 32, 33, 64, 65)] == [
-        True, False, False, True, True, False]
+    assert launch(4096, hopper, rows=17) == (32, 256, 5, 4, 1) and launch(6144, hopper, rows=32) == (64, 256, 4, 4, 1)
+    assert launch(14336, hopper, silu=True, rows=32) == (64, 128, 4, 4, 1)
+    assert launch(4096, small, rows=48) == launch(4096, small, rows=32) == (32, 128, 4, 4, 1)
+    assert [kernels.whole_sm_call(rows, 4096, 4096, False) for rows in (16, 17, 64, 65)] == [True] * 3 + [False]
 
 
 def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_sharing_sms(monkeypatch):
