@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from eyas.common.assets import model_source, resolve_target
+from eyas.common.checkpoint import gguf_parsed_once
 from eyas.common.config import ConfigError, TargetConfig, read_json
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.head_checkpoint import export_speculators, load_draft_head, save_eagle3
@@ -294,6 +295,7 @@ def _optimizer_settings(recipe: TrainRecipe) -> dict:
             | {"deepspeed.zero_stage": recipe.deepspeed.zero_stage})
 
 
+@gguf_parsed_once()  # a GGUF target's config, weights and tokenizer, read from one parse of its file
 def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     """Trains a head as `recipe` says; returns `<output>/final`, or None when `checkpoint.stop_after` stopped it.
     SIGTERM or SIGINT stop it after the step in progress, checkpointed (rerunning resumes there), and raise
@@ -468,6 +470,7 @@ def _write_final(head, final_eval: dict | None, path: Path) -> None:
         (path / "eval.json").write_text(json.dumps(final_eval, indent=1) + "\n")
 
 
+@gguf_parsed_once()
 def dump(recipe: TrainRecipe) -> Path:
     """Offline training's first part (`train-eagle --dump-hidden-states`): runs the recipe's whole target once over
     its rows (train.data.load_rows) and writes the hidden states `train` then reads into `data.hidden_states`

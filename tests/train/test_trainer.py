@@ -431,3 +431,29 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_flagged(monkeypatch, capsys,
     dtype = trainer._dtype(recipe.model, torch.device("cpu"))
     assert dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
     assert ("model.precision=fp32 trains faster" in capsys.readouterr().out) == warned
+
+
+@pytest.mark.parametrize("run", ["train", "dump"])
+def test_a_run_reads_a_gguf_target_s_config_weights_and_tokenizer_from_one_parse(run, monkeypatch, tmp_path):
+    """transformers parses a GGUF file for its config, its tensors and its tokenizer: a run reads all three (the
+    config in `check_inputs`, the weights in `load_target`, the tokenizer in `load_rows`) within one
+    `gguf_parsed_once`, which shares one parse among them (tests/common/test_gguf.py)."""
+    gguf = pytest.importorskip("gguf")
+    shared = []
+
+    def recording(function, stop=False):
+        def call(*args, **kwargs):
+            shared.append(getattr(gguf.GGUFReader, "shared", False))
+            if stop:
+                raise KeyboardInterrupt  # the data loaded: far enough
+            return function(*args, **kwargs)
+        return call
+
+    for name in ("check_inputs", "load_target"):
+        monkeypatch.setattr(trainer, name, recording(getattr(trainer, name)))
+    monkeypatch.setattr(trainer, "load_rows", recording(trainer.load_rows, stop=True))
+    recipe = load_recipe("ci-tiny", QUIET + [f"data.hidden_states={tmp_path / 'states'}"])
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe, tmp_path / "run") if run == "train" else dump(recipe)
+    assert shared == [True, True, True]
+    assert not getattr(gguf.GGUFReader, "shared", False)  # let go after the run
