@@ -1,10 +1,10 @@
 """Fused Triton kernels for inference: RMSNorm (and two side by side, the EAGLE-3 layer's input), rotary on q and k
 (with the paged cache's store of k and v in the same launch, `rotary_store`, which the Triton backend calls),
 SiLU·mul, a one-token linear layer with the RMSNorm before it and SiLU·mul and the residual stream's add after it
-fused in, a few-rows matmul (verification's and a draft pass's rows: small weights, and large ones in long calls)
-with a folded norm, SiLU·mul and the add in its epilogue and K split over programs where its output columns are few
-(`rows_matmul`), both reading a draft head's float8 copies where the engine made
-them (`--draft-fp8`, `fp8.py`); and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping
+fused in, a few-rows matmul (verification's and a draft pass's rows: small weights, and large ones in long or
+whole-SM calls) with a folded norm, SiLU·mul and the add in its epilogue and K split over programs where its output
+columns are few (`rows_matmul`), both reading a draft head's float8 copies where the engine made them (`--draft-fp8`,
+`fp8.py`); and for speculation, the draft's top-k log-probs, the draft tree's bookkeeping
 (each pass's next frontier and its inputs, the final tree), verification's walks down the tree, greedy and
 sampled, and for the sampled one the target's probabilities and their sums (`softmax`, `row_sum`: a row over many
 programs) and the least probability a top-k / top-p request keeps (`nucleus_floor`, a search in place of a sort);
@@ -625,8 +625,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
     """Whether `rows_matmul` reads a float8 copy of a weight [N, K] at M rows (2 <= M <= ROWS_MAX): of a large weight
     up to ROWS_FEW rows. There they beat cuBLAS on the bf16 weight at 4 and 8 rows (q/k/v 22 against 28 µs, the fc
-    22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight is faster
-    (docs/perf.md); a small weight's few-rows call is bound by its latency, not its bytes."""
+    22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight was faster
+    (docs/perf.md), and the bf16 weight's whole-SM call is now faster still; a small weight's few-rows call is bound
+    by its latency, not its bytes."""
     return _few_rows_of_large_weight(M, N * K)
 
 

@@ -46,20 +46,21 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)
 
-    def _shown_text(self) -> str:
-        """The window's shown ids decoded; the first window (the prompt's last ids) less an incomplete character at
-        its end, which the answer's first tokens complete: the answer shows it. (A window the answer's ids begin
-        starts with the rest of that character's bytes, as "\ufffd", in `before` and `after` alike.)"""
-        text = self._decode(self.ids[self.window : self.shown])
-        return text.rstrip("\ufffd") if self.window == 0 else text
+    def _shown_text(self, after: str) -> str:
+        """The window's shown ids decoded, which `after` (the window with the new ids) extends; but where the first
+        window (the prompt's last ids) ends in an incomplete character ("\ufffd") that the new ids complete (`after`
+        no longer starts with it), the text before that character: the answer shows it. (A window the answer's ids
+        begin starts with the rest of that character's bytes, as "\ufffd", in both.)"""
+        before = self._decode(self.ids[self.window : self.shown])
+        return before.rstrip("\ufffd") if self.window == 0 and not after.startswith(before) else before
 
     def push(self, ids: list[int]) -> str:
         """Adds generated ids; returns the new text that can be shown."""
         if self.stopped:
             return ""
         self.ids += ids
-        before = self._shown_text()
         after = self._decode(self.ids[self.window :])
+        before = self._shown_text(after)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self._append(after[len(before) :])
             self.window, self.shown = self.shown, len(self.ids)
@@ -68,8 +69,8 @@ class TextStream:
     def finish(self) -> str:
         """The rest of the text (an incomplete character included, as a full decode would show it)."""
         if not self.stopped and self.shown < len(self.ids):
-            before = self._shown_text()
-            self._append(self._decode(self.ids[self.window :])[len(before) :])
+            after = self._decode(self.ids[self.window :])
+            self._append(after[len(self._shown_text(after)) :])
             self.shown = len(self.ids)
         return self._release(final=True)
 

@@ -698,6 +698,12 @@ def test_text_stream_shows_a_character_the_prompt_began_with_the_answer():
     assert answer.startswith("🦅")
     stream = TextStream(tok, prompt=ids[:cut])
     assert "".join(stream.push([i]) for i in ids[cut:]) + stream.finish() == answer
+    # A prompt's own "\ufffd" (typed, or a character the answer does not complete) stays the prompt's.
+    hello = tok(" hello", add_special_tokens=False).input_ids
+    for prompt in (ids[:cut], tok("what is \ufffd", add_special_tokens=False).input_ids):
+        for stop in ([], ["\ufffd"]):
+            stream = TextStream(tok, stop=stop, prompt=prompt)
+            assert "".join(stream.push([i]) for i in hello) + stream.finish() == " hello" and not stream.stopped
 
 
 def test_a_completion_prompt_in_openais_other_forms(server):

@@ -456,8 +456,8 @@ def test_norm_cat_cuda(dtype, rows, n, strided):
 
 
 # Llama-3.1-8B's four projections and lm_head, SmolLM2's q/k/v and gate/up; one row (the Triton kernel), 8 (a tree's
-# verification: the four projections as long calls of `rows_kernel`, the lm_head on cuBLAS), and 17 to 64 (whole-SM
-# calls of `rows_kernel` in a 32- or 64-row tile).
+# verification: the four projections as long calls of `rows_kernel`, the lm_head on cuBLAS), and 17 to 64 (the 8B
+# projections as whole-SM calls of `rows_kernel` in a 32- or 64-row tile; SmolLM2's weights as small ones).
 # The residual stream is added by o and down ("donated": cuBLAS adds in place); the norms before q/k/v and gate/up
 # are whole or folded ("unit").
 LINEAR_CUDA = [(1, 6144, 4096, "unit", False, False, False), (1, 4096, 4096, False, False, False, True),
@@ -802,9 +802,9 @@ def test_rows_operands_take_large_weights_only_in_long_calls():
 
 def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(monkeypatch):
     """Under programmatic dependent launch a long call that shares SMs (`long_call` on a float8 copy: few rows of a
-    large weight over a long K) launches without it (the 8B step is faster so), a long call on bf16 weights, which
-    holds whole SMs (`whole_sm_call`), and any other with it: a smaller weight, a shorter K. Within
-    `releasing_late` every one but the whole-SM call launches under it and lets the next launch only at its end."""
+    large weight over a long K) launches without it (the 8B step is faster so), a call on bf16 weights that holds
+    whole SMs (`whole_sm_call`: at 16 rows, and at 48), and any other with it: a smaller weight, a shorter K. Within
+    `releasing_late` every one but the whole-SM calls launches under it and lets the next launch only at its end."""
     launched = []
 
     class Recorder:
@@ -813,8 +813,8 @@ def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(
 
     def launch_all():
         launched.clear()
-        for rows, N, K, float8 in [(16, 4096, 4096, True), (16, 4096, 4096, False), (16, 4095, 4096, False),
-                                   (16, 32768, 512, False)]:
+        for rows, N, K, float8 in [(16, 4096, 4096, True), (16, 4096, 4096, False), (48, 4096, 4096, False),
+                                   (16, 4095, 4096, False), (16, 32768, 512, False)]:
             copy = Fp8Weight(torch.empty(N, K, dtype=E4M3, device="meta"), torch.empty(N, device="meta"))
             kernels.rows_kernel(torch.empty(rows, K, dtype=torch.bfloat16, device="meta"),
                                 torch.empty(N, K, dtype=torch.bfloat16, device="meta"),
@@ -823,13 +823,14 @@ def test_rows_kernel_launches_long_calls_that_share_sms_after_the_kernel_before(
 
     monkeypatch.setattr(kernels, "_rows_matmul_kernel", Recorder())
     monkeypatch.setattr(kernels, "_launches_dependents", lambda device: True)
-    shared, whole, *others = launch_all()
+    shared, whole, whole_48, *others = launch_all()
     assert shared["PDL"] == 0 and "launch_pdl" not in shared
-    assert all(options["PDL"] == kernels.EARLY.value and options["launch_pdl"] for options in [whole, *others])
+    assert all(options["PDL"] == kernels.EARLY.value and options["launch_pdl"]
+               for options in [whole, whole_48, *others])
     with kernels.releasing_late():
-        shared, whole, *others = launch_all()
+        shared, whole, whole_48, *others = launch_all()
         assert all(options["PDL"] == kernels.LATE.value and options["launch_pdl"] for options in [shared, *others])
-        assert whole["PDL"] == kernels.EARLY.value and whole["launch_pdl"]
+        assert all(options["PDL"] == kernels.EARLY.value and options["launch_pdl"] for options in [whole, whole_48])
     assert launch_all()[0]["PDL"] == 0  # as before, outside
 
 
@@ -861,7 +862,8 @@ def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
 def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_sharing_sms(monkeypatch):
     """`rows_kernel` reads its device's SMs and shared memory (`gpu`): an 8B target's o at 8 rows takes 64 columns a
     program on 100 SMs, and shares SMs (no PDL outside `releasing_late`) where a program may ask 99 KB. A launch
-    given (the linear benchmark's grid), even the served one, runs as a long call that shares SMs."""
+    given (the linear benchmark's grid), even the served one, runs as a long call that shares SMs (up to ROWS_FEW
+    rows; past them as a short call)."""
     launched = []
 
     class Recorder:
@@ -881,8 +883,13 @@ def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_shar
     kernels.rows_kernel(x, weight, launch=kernels.RowsLaunch(32, 128, 4, 4, 1))
     kernels.rows_kernel(x, weight, launch=kernels.rows_launch(8, 4096, 4096, False, False))
     kernels.rows_kernel(x, weight)
-    *_, other, given_served, served = launched
+    rows_48 = torch.empty(48, 4096, dtype=torch.bfloat16, device="meta")
+    with kernels.releasing_late():
+        kernels.rows_kernel(rows_48, weight, launch=kernels.rows_launch(48, 4096, 4096, False, False))
+        kernels.rows_kernel(rows_48, weight)
+    *_, other, given_served, served, given_48, served_48 = launched
     assert other["PDL"] == given_served["PDL"] == 0 and served["PDL"] == kernels.EARLY.value
+    assert given_48["PDL"] == kernels.LATE.value and served_48["PDL"] == kernels.EARLY.value
     assert given_served["BLOCK_N"] == served["BLOCK_N"] and given_served["num_stages"] == served["num_stages"]
 
 
