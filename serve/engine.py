@@ -63,7 +63,7 @@ from .accept import TORCH_ACCEPT
 from .attention import attention_backend
 from .attention.paged import slots_of
 from .autotune import TreeByBatch, format_setting, setting_for
-from .cuda_graphs import BATCH_BUCKETS, GraphCache, batch_bucket, length_bucket, length_buckets
+from .cuda_graphs import GraphCache, batch_bucket, length_bucket, length_buckets
 from .draft import Drafter, DraftState, TreeShape, draft_states
 from .fp8 import quantize_linears
 from .kv_cache import KVPool
@@ -318,17 +318,18 @@ class Engine:
         return requests
 
     def warm_up(self, new_tokens: int = 16, progress: bool = False, params: SamplingParams | None = None) -> None:
-        """Before serving: at each batch bucket up to max_batch_size (each with its tree setting, as autotuned), a
-        greedy generation of `new_tokens` on prompts of 31 and 32 tokens (Triton compiles a kernel variant for
-        lengths that are a multiple of 16 and one for the rest), then a decode step of sampled requests, without and
-        with top-p (each verifies in a graph of its own: `_target_pass`); then a greedy prompt of each longer length
-        bucket that fits (`_prefill`'s graphs at batch 1). The CUDA graphs are captured and the kernels compiled before
-        a request waits for them: seconds, which the first requests would otherwise pay. (A batch mixing greedy and
-        sampled requests captures its graph when it first runs.) `params`: a run's own setting, warmed up as well
-        where it samples (eval-eagle's, which may filter by top-k). Leaves no request and every block free.
-        `progress`: a bar on stderr, a step per batch size and one for the prompt lengths."""
+        """Before serving: at each batch size `_warm_batch_sizes` gives (each bucket's graphs with each tree setting a
+        batch padded to it drafts, as autotuned), a greedy generation of `new_tokens` on prompts of 31 and 32 tokens
+        (Triton compiles a kernel variant for lengths that are a multiple of 16 and one for the rest), then a decode
+        step of sampled requests, without and with top-p (each verifies in a graph of its own: `_target_pass`); then a
+        greedy prompt of each longer length bucket that fits (`_prefill`'s graphs at batch 1). The CUDA graphs are
+        captured and the kernels compiled before a request waits for them: seconds, which the first requests would
+        otherwise pay. (A batch mixing greedy and sampled requests captures its graph when it first runs.) `params`: a
+        run's own setting, warmed up as well where it samples (eval-eagle's, which may filter by top-k). Leaves no
+        request and every block free. `progress`: a bar on stderr, a step per batch size and one for the prompt
+        lengths."""
         vocab = self.target.config.vocab_size
-        sizes = [b for b in BATCH_BUCKETS if b < self.config.max_batch_size] + [self.config.max_batch_size]
+        sizes = self._warm_batch_sizes()
         lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
         bar = tqdm(total=len(sizes) + bool(lengths), desc="warming up", unit="step", disable=not progress,
                    file=sys.stderr)
@@ -343,6 +344,18 @@ class Engine:
             for n in lengths:
                 self.generate([[(7 * j) % vocab for j in range(n)]], SamplingParams(temperature=0), 1)
             bar.update(bool(lengths))
+
+    def _warm_batch_sizes(self) -> list[int]:
+        """A batch size for each pair of batch bucket and tree setting a decode step can run, the largest: the buckets
+        up to max_batch_size, and where an autotuned table's setting changes inside a bucket (a key that is not a
+        bucket: {"3": tree, "8": "off"} drafts at 3 requests, padded to 4, and not at 4), the size before the
+        change too. Else such a batch would capture its graphs while serving (seconds, and memory the KV pool was
+        sized without)."""
+        largest = {}
+        for batch in range(1, self.config.max_batch_size + 1):
+            setting = setting_for(self.tree_by_batch, batch) if self.tree_by_batch else None
+            largest[batch_bucket(batch), setting] = batch
+        return sorted(largest.values())
 
     # ---- scheduling -----------------------------------------------------------------------------
 

@@ -704,6 +704,18 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     assert [r.output for r in generate(ps, GREEDY, max_new_tokens=12)] == [r.output for r in fresh]
 
 
+def test_warm_up_runs_each_bucket_with_every_setting_its_batches_draft(target):
+    """An autotuned table whose setting changes inside a batch bucket ({1: tree, 3: chain, 8: off}: 3 requests pad
+    to 4 and draft a chain, 4 draft none) is warmed up at 3 as well as 4; without a table, at the buckets up to
+    max_batch_size."""
+    table = ((1, SHAPES["tree"]), (3, SHAPES["chain"]), (8, None))
+    config = EngineConfig(block_size=4, num_blocks=128, max_batch_size=8, tree_by_batch=table)
+    assert Engine(target, random_head(target), config)._warm_batch_sizes() == [1, 2, 3, 4, 8]
+    plain = dataclasses.replace(config, max_batch_size=10, tree_by_batch=())
+    assert Engine(target, random_head(target), plain)._warm_batch_sizes() == [1, 2, 4, 8, 10]
+    assert Engine(target, None, plain)._warm_batch_sizes() == [1, 2, 4, 8, 10]
+
+
 def test_warm_up_takes_a_runs_own_sampling(target, monkeypatch):
     """A run's own sampled setting (eval-eagle's, here with top-k, whose graphs and kernels the defaults do not
     build) is warmed up too, at each batch size."""
