@@ -12,8 +12,9 @@ Files are recognised by content: a JSON array (ShareGPT's layout), JSON lines, o
                                                            HF ultrachat_200k rows
   "ultrachat": {"data": [user, assistant, user, ...]}     the original UltraChat release
 A bad record (unknown role, empty or non-string content, a lone surrogate in it, no assistant turn, roles out of
-order, malformed JSON) is skipped and counted with its file and place ("line 3" in JSONL, "record 3" elsewhere;
-both count from 1); `strict=True` raises `ConversationError` instead.
+order, a malformed JSON line) is skipped and counted with its file and place ("line 3" in JSONL, "record 3"
+elsewhere; both count from 1); `strict=True` raises `ConversationError` instead. Malformed JSON inside a JSON array,
+or text after its closing bracket, is a `ConversationError` either way: no record after it could be read.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def read_placed_conversations(
                 raise ConversationError(f"{path}: {place}: file ended mid-record")
             break
         report.records += 1
+        if isinstance(record, _UnreadableRest):  # not a record to skip: every record after it would be lost
+            raise ConversationError(f"{path}: {place}: {record}")
         if isinstance(record, _MalformedJSON):
             bad(place, str(record))
             continue
@@ -142,6 +145,11 @@ class _MalformedJSON(ValueError):
     """In place of a record: its text is not JSON."""
 
 
+class _UnreadableRest(_MalformedJSON):
+    """In place of a record of a JSON array: malformed JSON, or text after the array, past which no record can be
+    read (an element's end is unknown)."""
+
+
 def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
     """(place, record) for each element of a JSON array, parsed one at a time so that a file cut inside
     a record still yields every complete record before the cut; the cut yields (place, _CUT). With `cut` (the text
@@ -156,7 +164,7 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
             return
         if text[i] == "]":
             if text[i + 1 :].strip():  # e.g. two arrays concatenated: their records would go unread
-                yield f"record {index}", _MalformedJSON(
+                yield f"record {index}", _UnreadableRest(
                     f"text after the array's closing ']' (character {i}): {text[i + 1 :].strip()[:40]!r}; join the "
                     "records into one array")
             return
@@ -164,12 +172,11 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
             # An array that never closes was cut off, where the record stops parsing at the text's end; anything
-            # else is broken JSON that we cannot resynchronise within (an element's end is unknown), so it ends the
-            # file as an error.
+            # else is broken JSON that we cannot resynchronise within (an element's end is unknown): an error.
             if (cut or not text.rstrip().endswith("]")) and _stops_at_the_end(text, e):
                 yield f"record {index}", _CUT
             else:
-                yield f"record {index}", _MalformedJSON(
+                yield f"record {index}", _UnreadableRest(
                     f"malformed JSON: {e}; the records after it (from character {e.pos}) cannot be read")
             return
         yield f"record {index}", record
