@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 
-class AssetError(RuntimeError):
-    """An asset is unknown or cannot be fetched; the message gives the command that installs it."""
+class AssetError(FileNotFoundError):
+    """An asset is unknown or cannot be fetched; the message gives the command that installs it. A FileNotFoundError,
+    so that every command reports it as it reports a missing file: a usage error naming the flag or recipe key."""
 
 
 @dataclass(frozen=True)

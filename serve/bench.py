@@ -51,7 +51,9 @@ from .commands import (
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
+    given_flags,
     load_models_for,
+    refuse_unread,
     require_output_dirs,
     require_positive,
     sampling_params,
@@ -356,6 +358,11 @@ def main(argv: list[str] | None = None) -> None:
     params = sampling_params(parser, args)
     if args.compare_hf and not params.greedy:
         parser.error("--compare-hf times Hugging Face's greedy generate: leave --temperature at 0")
+    given = given_flags(parser, argv)
+    if args.prompts and args.prompts not in PROMPT_SETS:
+        refuse_unread(parser, given, ("input_len",), "a --prompts file's prompt_ids are the prompts, whole")
+    if not args.random_weights:
+        refuse_unread(parser, given, ("arch",), "--arch names the random model of --random-weights")
     if args.random_weights:  # before building a model
         if args.prompts in PROMPT_SETS:
             parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")

@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if known.recipe:
         argv = recipe_arguments(known.recipe, parser) + argv
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:  # found out now, not after the model loads
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
     args.tree = tree_shape(parser, args)
     try:
         args.tree_by_batch = read_autotune(args.autotune) if args.autotune else ()

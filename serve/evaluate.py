@@ -256,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", help="a running server's base URL (e.g. http://127.0.0.1:8000/v1)")
     parser.add_argument("--endpoint-off", help="the same target served with --speculative off, for the speedup")
     parser.add_argument("--model", help="the model name sent to the endpoints (default: the first each lists)")
-    parser.add_argument("--bench", default="mt-bench", help="mt-bench, humaneval or a prompts JSONL")
+    parser.add_argument("--bench", default="mt-bench",
+                        help="mt-bench, humaneval or a prompts JSONL ({\"prompt\": text} or {\"messages\": [...]} a "
+                             "line; of messages the user turns are asked, each after the model's own answer, as "
+                             "MT-bench's second turns are: the file's assistant turns are left out)")
     parser.add_argument("--limit", type=int, help="only the first N questions")
     add_tree_arguments(parser, TreeShape(7, 1, 8))
     add_sampling_arguments(parser, top_k=False)  # --topk is the tree's
@@ -283,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_baseline:
         refuse_unread(parser, given, ("endpoint_off",), "--no-baseline runs no speculation-off baseline")
     require_positive(parser, args, "concurrency", "max_new_tokens", "limit")
+    if not 0 < args.mem_fraction <= 1:  # found out now, not after the models load
+        parser.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
     params = sampling_params(parser, args)
 

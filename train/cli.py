@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.dump_hidden_states and args.output is None:
         parser.error("--output is required (except with --dump-hidden-states)")
+    if args.dump_hidden_states and args.output is not None:
+        parser.error("--dump-hidden-states writes into the recipe's data.hidden_states (--set data.hidden_states=DIR): "
+                     "--output would be ignored")
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         from .trainer import dump, train  # DeepSpeed and the models: seconds that --help and a bad recipe need not pay

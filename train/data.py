@@ -132,9 +132,12 @@ def check_fits_context(cfg: DataConfig, context: int) -> None:
 
 def _resolve(source: Source) -> Path:
     try:
-        return resolve_asset(source.path).resolve()
+        path = resolve_asset(source.path).resolve()
     except FileNotFoundError as e:
         raise ConfigError(f"{source.key}: {e}") from None
+    if path.is_dir():  # else `datasets` fails on it deep inside its builder, the key and the reason lost
+        raise ConfigError(f"{source.key}: {path} is a directory; give a conversations file (JSON or JSONL)")
+    return path
 
 
 def length_groups(lengths: list[int], batch_size: int, bucket: int, rng: random.Random) -> list[list[int]]:

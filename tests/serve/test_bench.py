@@ -127,6 +127,8 @@ def test_bench_at_a_temperature_samples(monkeypatch, capsys):
                                          (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
                                          (["--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
                                          (["--input-len", "-3"], "--input-len must be at least 1, got -3"),
+                                         (["--prompts", "p.jsonl", "--input-len", "64"], "a --prompts file's "
+                                          "prompt_ids are the prompts, whole: --input-len would be ignored"),
                                          (["--json", "no/such/dir/r.json"], "--json no/such/dir/r.json: no directory"),
                                          (["--autotune", "no/dir/a.json"], "--autotune no/dir/a.json: no directory"),
                                          (["--autotune", "."], "--autotune .: a directory; give the file's name"),
@@ -162,6 +164,14 @@ def test_settings_the_model_cannot_run_are_usage_errors_before_the_sweep(args, w
     with pytest.raises(SystemExit) as exit_info:
         main(["--random-weights", "--arch", "tiny", "--device", "cpu", *args])
     assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_arch_without_random_weights_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "load_models_for", lambda *args: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--target", "t", "--draft", "d", "--arch", "llama-3.1-8b", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "--arch names the random model of --random-weights: --arch would be " \
+        "ignored" in capsys.readouterr().err
 
 
 def test_draft_vocab_of_a_trained_head_is_a_usage_error(capsys):

@@ -93,6 +93,7 @@ def test_autotune_file_is_read_and_checked(tmp_path, capsys):
                                                               "--topk would be ignored"),
     (["--max-batch-size", "0"], "max_batch_size"),
     (["--mem-fraction", "1.5"], "mem_fraction must be in (0, 1], got 1.5"),
+    (["--port", "-5"], "--port must be in [0, 65535], got -5"),  # bind() failed once the model had loaded
 ])
 def test_flags_that_would_be_ignored_or_fail_later_are_usage_errors(tmp_path, capsys, flags, words):
     """Typed on the command line, before anything loads (the recipe's own tree and head are overridden by design)."""

