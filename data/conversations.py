@@ -115,7 +115,7 @@ def read_placed_conversations(
         report.skipped.append((place, reason))
 
     body = text.lstrip()
-    records = _json_array(text, cut) if body.startswith("[") else _json_object(body, cut) or _json_lines(text, cut)
+    records = _json_array(text) if body.startswith("[") else _json_object(body, cut) or _json_lines(text, cut)
     for place, record in records:
         if record is _CUT:
             report.truncated = True
@@ -150,10 +150,9 @@ class _UnreadableRest(_MalformedJSON):
     read (an element's end is unknown)."""
 
 
-def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
+def _json_array(text: str) -> Iterator[tuple[str, object]]:
     """(place, record) for each element of a JSON array, parsed one at a time so that a file cut inside
-    a record still yields every complete record before the cut; the cut yields (place, _CUT). With `cut` (the text
-    stops inside the file) a record that does not parse is the one the cut split."""
+    a record still yields every complete record before the cut; the cut yields (place, _CUT)."""
     decoder = json.JSONDecoder()
     i, index = text.index("[") + 1, 1  # counted from 1, as JSONL's lines are
     while True:
@@ -171,9 +170,10 @@ def _json_array(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
         try:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            # An array that never closes was cut off, where the record stops parsing at the text's end; anything
-            # else is broken JSON that we cannot resynchronise within (an element's end is unknown): an error.
-            if (cut or not text.rstrip().endswith("]")) and _stops_at_the_end(text, e):
+            # A record that stops parsing at the text's end was cut off (its last string may hold a ']', so the
+            # text's last character does not tell a closed array); anything else is broken JSON that we cannot
+            # resynchronise within (an element's end is unknown): an error.
+            if _stops_at_the_end(text, e):
                 yield f"record {index}", _CUT
             else:
                 yield f"record {index}", _UnreadableRest(

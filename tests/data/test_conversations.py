@@ -187,6 +187,14 @@ def test_broken_json_in_a_closed_array_is_an_error_saying_the_rest_is_unread(tmp
             read(path, strict=strict)
 
 
+def test_a_file_cut_after_a_bracket_inside_a_string_is_truncated(tmp_path):
+    """Its last character is a ']' of the string the cut split, not the array's: the records before it are read and
+    the file reads as cut, not as malformed (now an error)."""
+    good = json.dumps({"messages": CHAT})
+    convs, report = read(write(tmp_path / "cut.json", f'[{good}, {{"messages": [{{"role": "user", "content": "a[0]'))
+    assert len(convs) == 1 and report.truncated and not report.skipped
+
+
 def test_text_after_a_closed_array_is_an_error(tmp_path):
     """Two arrays concatenated (`cat part1.json part2.json`): the second's records are not silently lost."""
     records = json.dumps([{"messages": CHAT}] * 2)
