@@ -366,10 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.random_weights:  # before building a model
         if args.prompts in PROMPT_SETS:
             parser.error(f"--prompts {args.prompts} renders chat prompts with a real --target's tokenizer")
-        unused = [flag for flag, value in (("--target", args.target), ("--draft", args.draft),
-                                          ("--token-map", args.token_map), ("--compare-hf", args.compare_hf)) if value]
-        if unused:
-            parser.error(f"--random-weights measures a random model of --arch: {', '.join(unused)} would be ignored")
+        refuse_unread(parser, given, ("target", "draft", "token_map", "compare_hf"),
+                      "--random-weights measures a random model of --arch")
 
     options = engine_options(parser, args)
     if args.random_weights:

@@ -457,7 +457,7 @@ def long_call(M: int, N: int, K: int) -> bool:
     third of the SMs, and a down took 51 against 34 µs (thirty-seventh entry). On bf16 weights they hold a whole SM
     instead (`whole_sm_call`). Shorter calls need PDL: without it SmolLM2's (8, 8, 64) step took 1.65 ms against
     1.40, and an 8B target's (6, 8, 48) 6.40 against 6.30 for its o at 48 rows (120 KB a program: one an SM)."""
-    return _few_rows_of_large_weight(M, N * K) and K >= ROWS_LONG_MIN_K
+    return M <= ROWS_FEW and _long_weight(N, K)
 
 
 def whole_sm_call(M: int, N: int, K: int, float8: bool, on: Gpu = HOPPER) -> bool:
@@ -473,14 +473,13 @@ def whole_sm_call(M: int, N: int, K: int, float8: bool, on: Gpu = HOPPER) -> boo
     on cuBLAS (the o on the kernel, sharing SMs), and the (6, 8, 48) step 7.71 against 8.04-8.05; at 32 rows 5.14
     against 5.59-5.60, and a (6, 8, 32) step 7.41-7.42 against 7.84 (docs/perf.md, forty-fifth and forty-sixth
     entries)."""
-    return (not float8 and M <= ROWS_MAX and N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
-            and on.shared >= WHOLE_SM_SHARED)
+    return not float8 and M <= ROWS_MAX and _long_weight(N, K) and on.shared >= WHOLE_SM_SHARED
 
 
-def _few_rows_of_large_weight(M: int, entries: int) -> bool:
-    """Up to ROWS_FEW rows against a weight of at least ROWS_LARGE_WEIGHT entries: a call bound by the weight's
-    bytes (`long_call`, `reads_fp8_rows`)."""
-    return M <= ROWS_FEW and entries >= ROWS_LARGE_WEIGHT
+def _long_weight(N: int, K: int) -> bool:
+    """A weight [N, K] whose few-rows calls stream for tens of µs (`long_call`, `whole_sm_call`): a large one over a
+    long K."""
+    return N * K >= ROWS_LARGE_WEIGHT and K >= ROWS_LONG_MIN_K
 
 
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -548,10 +547,9 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
     Whole-SM calls on bf16 weights (`whole_sm_call`) take more than half an SM's shared memory, one program an SM, as
     WHOLE_SM_LAUNCHES gives for their tile of rows: 32 weight rows where their tiles fit one wave, else 64 (an 8B
     target's q/k/v: 192 tiles of 32 on 132 SMs), and through SiLU·mul 64 rows of each half. Where a program may not ask
-    that much, a long call through SiLU·mul takes 64 rows of each half in chunks of
-    64 (54 KB; four programs an SM). Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split
-    four ways, leaves a program 1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against
-    9.2-9.4)."""
+    that much, a long call through SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB; four programs an SM).
+    Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a program
+    1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
         tiles = triton.cdiv(N_out, 64)
         block_k = 128 if tiles <= FP8_SPLIT_MAX_TILES and K <= 4 * 1024 else 256
@@ -592,13 +590,10 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     N_out = N // 2 if silu_mul_output else N
     block_m = max(16, triton.next_power_of_2(M))
     float8, on = quantized is not None, gpu(x.device)
-    if launch is None:
-        launch = rows_launch(M, N_out, K, float8, silu_mul_output, on)
-        placement = (Placement.WHOLE_SM if whole_sm_call(M, N, K, float8, on)
-                     else Placement.SHARES_SM if long_call(M, N, K) else Placement.SHORT)
-    else:  # a launch given (the linear benchmark's sweep) is timed as one sharing SMs where the call is long
-        launch = as_run(launch, K)
-        placement = Placement.SHARES_SM if long_call(M, N, K) else Placement.SHORT
+    whole_sm = launch is None and whole_sm_call(M, N, K, float8, on)  # a launch given is timed as one sharing SMs
+    launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, float8, silu_mul_output, on)
+    placement = (Placement.WHOLE_SM if whole_sm else Placement.SHARES_SM if long_call(M, N, K)
+                 else Placement.SHORT)
     block_n, block_k, stages, warps, splits = launch
     if norm is not None and (norm[0] is not None or splits > 1 or float8):
         rows, norm = rms_norm(rows, *norm), None
@@ -628,7 +623,7 @@ def reads_fp8_rows(M: int, N: int, K: int) -> bool:
     22 against 31), with K split over programs (`rows_splits`). At 48 rows cuBLAS on the bf16 weight was faster
     (docs/perf.md), and the bf16 weight's whole-SM call is now faster still; a small weight's few-rows call is bound
     by its latency, not its bytes."""
-    return _few_rows_of_large_weight(M, N * K)
+    return M <= ROWS_FEW and N * K >= ROWS_LARGE_WEIGHT
 
 
 SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles any split launch may have (linear_bench's
