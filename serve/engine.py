@@ -254,6 +254,7 @@ class Engine:
         self.profile = self.config.profile
         self.timings: defaultdict[str, float] = defaultdict(float)
         self.decode_steps = 0
+        self.preemptions = self.recomputed = 0  # requests preempted, and the positions of KV they lost
 
     @contextmanager
     def _phase(self, name: str):
@@ -490,6 +491,8 @@ class Engine:
         return list(self.running)  # a copy: finishing requests leave `self.running` during the step
 
     def _preempt(self, request: Request) -> None:
+        self.preemptions += 1
+        self.recomputed += request.cached  # the positions its readmission prefills again
         self.running.remove(request)
         self.pool.allocator.free(request.blocks)
         request.blocks, request.cached, request.drafted, request.draft = [], 0, 0, None

@@ -5,6 +5,8 @@
     eyas_prompt_tokens_total, eyas_generation_tokens_total
     eyas_queue_depth, eyas_running_requests        the engine's waiting and running requests
     eyas_kv_blocks_used, eyas_kv_blocks_free       the paged KV pool
+    eyas_preemptions_total                         requests preempted for KV blocks (recomputed on readmission)
+    eyas_recomputed_positions_total                the positions of KV those preemptions freed, prefilled again
     eyas_acceptance_length                         tokens per verification step (accepted drafts + 1)
     eyas_verify_steps_total                        verification steps
     eyas_draft_accepted_total{position}            steps that accepted the draft token at depth `position`;
@@ -31,6 +33,9 @@ class Metrics:
         self.running = Gauge("eyas_running_requests", "Requests being generated", registry=r)
         self.kv_used = Gauge("eyas_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("eyas_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.preemptions = Counter("eyas_preemptions", "Requests preempted for KV blocks", registry=r)
+        self.recomputed = Counter("eyas_recomputed_positions", "KV positions freed by preemptions", registry=r)
+        self._preempted = (0, 0)  # the engine's (preemptions, recomputed) as last counted
         self.acceptance = Histogram("eyas_acceptance_length", "Tokens per verification step", registry=r,
                                     buckets=list(range(1, max_accept + 1)))
         self.verify_steps = Counter("eyas_verify_steps", "Verification steps", registry=r)
@@ -43,6 +48,9 @@ class Metrics:
         self.running.set(len(engine.running))
         self.kv_free.set(free)
         self.kv_used.set(engine.pool.allocator.num_blocks - free)
+        self.preemptions.inc(engine.preemptions - self._preempted[0])  # the engine's totals, as counters
+        self.recomputed.inc(engine.recomputed - self._preempted[1])
+        self._preempted = (engine.preemptions, engine.recomputed)
 
     def observe_finish(self, finish) -> None:
         """`finish`: a worker.Finish."""

@@ -674,6 +674,18 @@ def test_preemption_when_blocks_run_out(target, graphs, monkeypatch):
     assert engine.pool.allocator.num_free == 40
 
 
+def test_preemptions_count_the_positions_prefilled_again(target, monkeypatch):
+    """`Engine.preemptions` and `recomputed` (serve-eagle's /metrics): every position prefilled past the prompts is
+    one a preemption freed (plain decoding, which recomputes nothing else)."""
+    ps = prompts(6, target.config.vocab_size, seed=3)
+    engine = Engine(target, None, EngineConfig(speculative=False, block_size=4, num_blocks=24))
+    prefilled = []
+    prefill = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda rs: (prefilled.extend(map(engine._chunk_length, rs)), prefill(rs)))
+    engine.generate(ps, GREEDY, max_new_tokens=40)
+    assert engine.preemptions >= 2 and sum(prefilled) == sum(map(len, ps)) + engine.recomputed
+
+
 def test_abort_frees_blocks(target):
     engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
     request = engine.add_request(prompts(1, 257)[0], GREEDY, max_new_tokens=100)

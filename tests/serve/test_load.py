@@ -56,4 +56,7 @@ def test_concurrent_streaming_clients():
         assert server.metric("eyas_http_requests_total", endpoint="/v1/completions", status="200") == \
             REQUESTS + len(PROMPTS)
         assert server.metric("eyas_requests_finished_total", reason="error") == 0
+        engine = server.worker.engine
+        assert server.metric("eyas_preemptions_total") == engine.preemptions > 0
+        assert server.metric("eyas_recomputed_positions_total") == engine.recomputed > 0
         print(f"{REQUESTS} streamed requests from {CLIENTS} clients in {seconds:.1f}s")
