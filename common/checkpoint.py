@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -75,7 +76,10 @@ def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[s
     EAGLE heads) `pytorch_model.bin`. With `names`, only those are read from safetensors files."""
     index = path / "model.safetensors.index.json"
     if (path / "pytorch_model.bin").exists() and not index.exists() and not (path / "model.safetensors").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:  # its own message names no file
+            raise CheckpointError(f"{path / 'pytorch_model.bin'}: not a readable PyTorch weights file ({err})") from err
     if index.exists():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):

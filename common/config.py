@@ -82,12 +82,16 @@ def mapping_field(cfg: Mapping[str, Any], key: str, source: str) -> Mapping[str,
     return value
 
 
-def check_positive(config: Any, names: tuple[str, ...]) -> None:
-    """Raises a ValueError naming the first of `config`'s size fields `names` below 1 (a 0 would divide by zero or
-    build empty layers far from the file that said it)."""
-    for name in names:
+def check_layer_sizes(config: Any, more: tuple[str, ...] = ()) -> None:
+    """Raises a ValueError naming the first of `config`'s size fields (`LAYER_SIZES` and `more`) below 1 (a 0 would
+    divide by zero or build empty layers far from the file that said it), or heads that no number of query heads
+    per KV head gives."""
+    for name in LAYER_SIZES + more:
         if getattr(config, name) < 1:
             raise ValueError(f"field '{name}' must be >= 1, got {getattr(config, name)}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
+                         f"num_key_value_heads ({config.num_key_value_heads})")
 
 
 def read_json(path: str | Path) -> dict:
@@ -146,6 +150,9 @@ class RopeConfig:
 def read_layer_fields(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The Llama decoder-layer fields of an HF config.json (targets and heads alike), with HF's defaults:
     `num_key_value_heads` = heads, `head_dim` = hidden / heads. Types are checked by `build_dataclass`."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":  # every layer here computes SiLU
+        raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
     values = {k: cfg[k] for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
@@ -216,12 +223,7 @@ class TargetConfig:
     qk_norm: bool = False
 
     def __post_init__(self):
-        check_positive(self, LAYER_SIZES + ("num_hidden_layers",))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_layer_sizes(self, ("num_hidden_layers",))
 
     @property
     def causal_lm_class(self) -> str:
@@ -244,9 +246,6 @@ class TargetConfig:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported; supported: {sorted(_FAMILIES)}"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
         values = read_layer_fields(cfg, source)
         values.update({k: cfg[k] for k in ("num_hidden_layers", "tie_word_embeddings", "mlp_bias") if k in cfg})
         values["model_type"] = model_type

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import AttentionMetadata
-from .config import ConfigError, RopeConfig, build_dataclass, read_layer_fields
+from .config import ConfigError, RopeConfig, build_dataclass, check_layer_sizes, read_layer_fields
 from .hot_vocab import HotVocab
 from .layers import MLP, Attention, Kernels, RMSNorm, Rotary, fold_layer_norms
 from .target import TargetOutput
@@ -41,6 +41,9 @@ class EagleConfig:
     num_hidden_layers: int = 1
     fc_bias: bool = True  # config.json "bias"; EAGLE's Llama-3 heads write false
     rope: RopeConfig = field(default_factory=RopeConfig)
+
+    def __post_init__(self):
+        check_layer_sizes(self, ("num_hidden_layers",))
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str) -> EagleConfig:

@@ -23,12 +23,11 @@ from torch import Tensor, nn
 
 from .attention import AttentionMetadata
 from .config import (
-    LAYER_SIZES,
     ConfigError,
     RopeConfig,
     TargetConfig,
     build_dataclass,
-    check_positive,
+    check_layer_sizes,
     mapping_field,
     read_layer_fields,
     write_layer_fields,
@@ -72,7 +71,7 @@ class Eagle3Config:
     norm_before_residual: bool = False  # vLLM speculators variant: the residual is hidden_norm(h)
 
     def __post_init__(self):
-        check_positive(self, LAYER_SIZES + ("draft_vocab_size", "target_hidden_size"))
+        check_layer_sizes(self, ("draft_vocab_size", "target_hidden_size"))
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
@@ -120,7 +119,8 @@ class Eagle3Config:
         values = read_layer_fields(cfg, source)
         if "norm_before_residual" in cfg:
             values["norm_before_residual"] = cfg["norm_before_residual"]
-        values["draft_vocab_size"] = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
+        draft_vocab = cfg.get("draft_vocab_size")  # vLLM reads null as the whole vocabulary
+        values["draft_vocab_size"] = cfg.get("vocab_size") if draft_vocab is None else draft_vocab
         values["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
         # Engines disagree on what an explicit layer id means; we store the layers the streams *enter*, as vLLM and
         # speculators read a top-level list (read first). SGLang reads the nested
@@ -162,8 +162,8 @@ class Eagle3Config:
 
 
 def _layer_ids(ids: Any, key: str, source: str) -> list[int]:
-    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
-        raise ConfigError(f"{source}: field '{key}' must be a list of ints, got {ids!r}")
+    if not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids) and len(set(ids)) == len(ids)):
+        raise ConfigError(f"{source}: field '{key}' must be a list of distinct layer ids >= 0, got {ids!r}")
     return ids
 
 

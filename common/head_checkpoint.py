@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError, load_strict, read_weights_dir, save_safetensors
-from .config import ConfigError, read_json
+from .config import ConfigError, TargetConfig, read_json
 from .eagle import EAGLE_ARCHITECTURE, EagleConfig, EagleHead
 from .eagle3 import EAGLE3_ARCHITECTURE, UNSUPPORTED_FLAGS, Eagle3Config, Eagle3Head, is_eagle3_config
 from .hot_vocab import HotVocab
@@ -76,17 +76,24 @@ def load_draft_head(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> DraftHead:
-    """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head; `token_map` (an FR-Spec
-    `freq_N.pt`) restricts that lm_head, or an EAGLE-3 head's own draft vocabulary, to the tokens it names.
-    `dtype` None keeps the checkpoint's."""
+    """Loads any supported head directory. `target` gives EAGLE-1/2 heads their lm_head, and is checked to be the
+    model the head was trained for; `token_map` (an FR-Spec `freq_N.pt`) restricts that lm_head, or an EAGLE-3
+    head's own draft vocabulary, to the tokens it names. `dtype` None: the target's where one is given (the head
+    computes on its embeddings and lm_head), else the checkpoint's."""
     path = Path(path)
     config_path = head_config_path(path)
     source = str(config_path)
     cfg = read_json(config_path)
     kind = head_kind(cfg, source)
+    if dtype is None and target is not None:
+        dtype = target.embed_tokens.weight.dtype
+    if kind == "speculators":
+        cfg = _speculators_layer_config(cfg, source)
+    config = EagleConfig.from_hf(cfg, source) if kind == "eagle" else Eagle3Config.from_hf(cfg, source)
+    if target is not None:
+        _check_fits(config, target.config, source)
     tensors = read_weights_dir(path)
     if kind == "eagle":
-        config = EagleConfig.from_hf(cfg, source)
         hot = HotVocab.load_token_map(token_map, config.vocab_size) if token_map else None
         with torch.device("meta"):
             head = EagleHead(config, hot)
@@ -95,13 +102,12 @@ def load_draft_head(
         if target is not None:
             head.attach_lm_head(target.lm_head_weight.to(device))
     else:
-        if kind == "speculators":
-            cfg = _speculators_layer_config(cfg, source)
         # Speculators and newer SGLang/vLLM heads name the layer `layers.0`; ours is `midlayer`.
         tensors = {k.replace("layers.0.", "midlayer.", 1): v for k, v in tensors.items()}
-        config = Eagle3Config.from_hf(cfg, source)
         if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
             tensors = {**tensors, **_identity_vocab(config.vocab_size)}
+        elif "t2d" not in tensors and isinstance(tensors.get("d2t"), torch.Tensor):  # SGLang and vLLM read d2t alone
+            tensors = {**tensors, "t2d": _marked(tensors["d2t"], config.vocab_size)}
         with torch.device("meta"):
             head = Eagle3Head(config)
         load_strict(head, tensors, source=str(path), dtype=dtype, device=device, ignore=("embed_tokens.weight",))
@@ -114,6 +120,31 @@ def load_draft_head(
                 raise ConfigError(f"token map {token_map}, for the head {path}: {err}") from err
     head.rotary.reset_parameters(device)
     return head.eval()
+
+
+def _check_fits(config: EagleConfig | Eagle3Config, target: TargetConfig, source: str) -> None:
+    """A head trained for another target (a Qwen3-8B head on Llama-3.1-8B: both 4,096 wide) drafts another
+    tokenizer's ids or reads streams of another width: refused here, naming the field, not at a draft step."""
+    fields = [("vocab_size", config.vocab_size, target.vocab_size, "vocabulary")]
+    if isinstance(config, Eagle3Config):
+        fields.append(("target_hidden_size", config.target_hidden_size, target.hidden_size, "hidden size"))
+    for key, value, wanted, what in fields:
+        if value != wanted:
+            raise ConfigError(f"{source}: field '{key}' is {value}, but the target's {what} is {wanted}: a head "
+                              "trained for another target model")
+    if isinstance(config, Eagle3Config):
+        try:
+            config.aux_layers_for(target)
+        except ValueError as err:
+            raise ConfigError(f"{source}: {err}") from err
+
+
+def _marked(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d from d2t: True at each target id i + d2t[i] (ids out of range are refused by `_check_vocab_maps`)."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    ids = torch.arange(len(d2t)) + d2t.long()
+    t2d[ids[(ids >= 0) & (ids < vocab_size)]] = True
+    return t2d
 
 
 def _identity_vocab(vocab_size: int) -> dict[str, torch.Tensor]:
@@ -136,11 +167,8 @@ def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
     is normed (`norm_before_residual`, vLLM's variant) goes to `export_speculators`: SGLang ignores the flag."""
     if head.config.norm_before_residual:
         raise ValueError("a head with norm_before_residual is served by vLLM alone: write it with export_speculators")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = head.config.to_hf() | {"torch_dtype": str(head.fc.weight.dtype).removeprefix("torch.")}
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_safetensors(head.state_dict(), path / "model.safetensors")
+    _write_head_dir(path, config, _saved_state(head))
 
 
 def export_speculators(
@@ -180,8 +208,32 @@ def export_speculators(
     }
     if aux is not None:
         config["eagle_aux_hidden_state_layer_ids"] = list(aux)  # vLLM ids: the layers the streams enter
+    _write_head_dir(path, config, {k.replace("midlayer.", "layers.0.", 1): v for k, v in _saved_state(head).items()})
+
+
+def _saved_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
+    """The head's tensors under the names its layout gives them; ValueError for a head an Engine has prepared for
+    serving (its projections joined and norms folded, in place), whose tensors no loader reads."""
+    state = head.state_dict()
+    with torch.device("meta"):
+        names = Eagle3Head(head.config).state_dict().keys()
+    if state.keys() != names:
+        raise ValueError("the head's tensors are not its layout's (an Engine joins its projections and folds its "
+                         "norms in place): save a head before serving it")
+    return state
+
+
+def _write_head_dir(path: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors in `path` (made if missing). A sharded checkpoint there (the index and the
+    shards it names) goes first: loaders read the index before model.safetensors, so its weights would be read."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        for shard in set(weight_map.values()) if isinstance(weight_map, dict) else ():
+            if isinstance(shard, str) and Path(shard).name == shard:  # a file of this folder, never one elsewhere
+                (path / shard).unlink(missing_ok=True)
+        index.unlink()
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in head.state_dict().items()}
     save_safetensors(tensors, path / "model.safetensors")

@@ -397,3 +397,112 @@ def test_folded_norms_give_the_same_outputs(tmp_path, kind):
     assert len(folded) == (2 if eagle3 else 1)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def tiny_target(vocab=V, hidden=HT, dtype=torch.float32):
+    from eyas.common.config import TargetConfig
+    from eyas.common.target import TargetModel
+
+    cfg = TargetConfig("llama", vocab, hidden, FFN, 4, HEADS, KV, hidden // HEADS, 1e-6, 256)
+    return TargetModel(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("kind, vocab, hidden, words", [
+    ("eagle3", 120, HT, f"field 'vocab_size' is {V}, but the target's vocabulary is 120"),
+    ("eagle3", V, 64, f"field 'target_hidden_size' is {HT}, but the target's hidden size is 64"),
+    ("eagle", 80, H, f"field 'vocab_size' is {V}, but the target's vocabulary is 80"),
+])
+def test_a_head_for_another_target_is_refused_naming_the_field(tmp_path, kind, vocab, hidden, words):
+    """A head is checked against the target it is loaded for (a Qwen3-8B head on Llama-3.1-8B: both 4,096 wide): a
+    vocabulary or stream width that differs failed inside a draft step, or drafted another tokenizer's ids."""
+    (write_public_eagle3 if kind == "eagle3" else write_public_eagle)(tmp_path / "head")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'head/config.json'}: {words}"):
+        load_draft_head(tmp_path / "head", tiny_target(vocab, hidden))
+    assert load_draft_head(tmp_path / "head", tiny_target(V, HT if kind == "eagle3" else H)) is not None
+
+
+def test_a_head_takes_its_target_s_dtype_unless_told(tmp_path):
+    write_public_eagle3(tmp_path / "head")
+    target = tiny_target(dtype=torch.bfloat16)
+    assert load_draft_head(tmp_path / "head", target).fc.weight.dtype == torch.bfloat16
+    assert load_draft_head(tmp_path / "head", target, dtype=torch.float32).fc.weight.dtype == torch.float32
+    assert load_draft_head(tmp_path / "head").fc.weight.dtype == torch.float32  # no target: the checkpoint's
+
+
+def test_t2d_is_derived_from_d2t_and_a_null_draft_vocab_is_the_whole(tmp_path):
+    """SGLang and vLLM read d2t alone, and vLLM a draft_vocab_size of null as the target's vocabulary."""
+    t = write_public_eagle3(tmp_path / "head")
+    whole = load_draft_head(tmp_path / "head")
+    del t["t2d"]
+    save_file(t, str(tmp_path / "head/model.safetensors"))
+    assert torch.equal(load_draft_head(tmp_path / "head").t2d, whole.t2d)
+    t["d2t"][0] = V  # reaches past the vocabulary: refused, not masked
+    save_file(t, str(tmp_path / "head/model.safetensors"))
+    with pytest.raises(CheckpointError, match="tensor 'd2t' is not a valid draft-to-target map"):
+        load_draft_head(tmp_path / "head")
+    write_public_eagle3(tmp_path / "null", draft_vocab_size=None)
+    t = {k: v for k, v in load_file(str(tmp_path / "null/model.safetensors")).items() if k not in ("d2t", "t2d")}
+    t["lm_head.weight"] = torch.zeros(V, H)
+    save_file(t, str(tmp_path / "null/model.safetensors"))
+    assert load_draft_head(tmp_path / "null").config.draft_vocab_size == V
+
+
+def test_saving_over_a_sharded_head_leaves_only_the_new_weights(tmp_path):
+    """Loaders read an index before model.safetensors: one left in the folder would shadow what was saved."""
+    t = write_public_eagle3(tmp_path / "head")
+    shards = {"model-00001-of-00002.safetensors": dict(list(t.items())[:3]),
+              "model-00002-of-00002.safetensors": dict(list(t.items())[3:])}
+    (tmp_path / "head/model.safetensors").unlink()
+    for name, part in shards.items():
+        save_file(part, str(tmp_path / "head" / name))
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (tmp_path / "head/model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "keep.safetensors").write_text("not the head's")
+    head = load_draft_head(tmp_path / "head")
+    with torch.no_grad():
+        head.fc.weight.mul_(2)
+    weight_map["x"] = "../keep.safetensors"  # a shard outside the folder is never removed
+    (tmp_path / "head/model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_eagle3(head, tmp_path / "head")
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(load_draft_head(tmp_path / "head").fc.weight, head.fc.weight)
+    assert (tmp_path / "keep.safetensors").exists()
+
+
+def test_a_head_prepared_for_serving_is_not_saved(tmp_path):
+    """An Engine joins a head's projections and folds its norms in place: saved so, no loader could read it."""
+    from eyas.common.layers import fuse_projections
+
+    write_public_eagle3(tmp_path / "head")
+    head = load_draft_head(tmp_path / "head")
+    fuse_projections(head)
+    for save in (lambda: save_eagle3(head, tmp_path / "out"), lambda: export_speculators(
+            head, tmp_path / "spec", verifier="org/target", verifier_architectures=["LlamaForCausalLM"])):
+        with pytest.raises(ValueError, match="save a head before serving it"):
+            save()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "spec").exists()
+
+
+def test_a_corrupt_pytorch_weights_file_is_named(tmp_path):
+    write_public_eagle(tmp_path / "head")
+    (tmp_path / "head/model.safetensors").unlink()
+    (tmp_path / "head/pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: not a readable PyTorch weights file"):
+        load_draft_head(tmp_path / "head")
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"hidden_act": "gelu"}, "field 'hidden_act' is 'gelu'; only 'silu'"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 2, 5]}, "must be a list of distinct layer ids >= 0"),
+    ({"eagle_aux_hidden_state_layer_ids": [-3, 2, 5]}, "must be a list of distinct layer ids >= 0"),
+])
+def test_head_config_values_no_layer_computes_are_refused(tmp_path, fields, words):
+    write_public_eagle3(tmp_path / "head", **fields)
+    with pytest.raises(ConfigError, match=words):
+        load_draft_head(tmp_path / "head")
+    write_public_eagle(tmp_path / "eagle")
+    cfg = json.loads((tmp_path / "eagle/config.json").read_text())
+    (tmp_path / "eagle/config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
+    with pytest.raises(ConfigError, match="field 'num_hidden_layers' must be >= 1, got 0"):
+        load_draft_head(tmp_path / "eagle")
