@@ -1022,7 +1022,9 @@ def _merge_top_kernel(best_ptr, where_ptr, max_ptr, sum_ptr, values_ptr, indices
     cand = tl.load(best_ptr + row * chunks * K_POW2 + i, mask=ok, other=float("-inf"))
     for j in tl.static_range(K):
         at = tl.argmax(cand, 0)
-        tl.store(values_ptr + row * K + j, tl.max(cand, 0) - lse)
+        # At most 0, as a log-probability is: a child scoring above its parent (an approximate log) would break
+        # `select_tree`'s rule that a kept node's parent is kept.
+        tl.store(values_ptr + row * K + j, tl.minimum(tl.max(cand, 0) - lse, 0.0))
         tl.store(indices_ptr + row * K + j, tl.load(where_ptr + row * chunks * K_POW2 + at))
         cand = tl.where(i == at, float("-inf"), cand)
 

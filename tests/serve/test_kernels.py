@@ -186,17 +186,20 @@ def check_silu_mul(device, dtype, shape, impl=kernels.silu_mul, joint=False):
 
 def check_top_log_probs(device, dtype, shape, k, ties=False, impl=kernels.top_log_probs):
     """logits [*shape] -> the k best log-probs and indices, as a stable descending sort of the float log-softmax
-    ranks them (equal logits: lower index first). `ties`: integer logits, most of them tied."""
+    ranks them (equal logits: lower index first), none above 0 (a first row whose best holds nearly all the mass:
+    a log-prob just above 0 would let a tree's child outscore its parent). `ties`: integer logits, most of them
+    tied."""
     if ties:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randint(0, 4, shape, generator=gen).to(dtype=dtype, device=device)
     else:
         logits = randn(*shape, dtype=dtype, device=device, seed=0, scale=3.0)
+    logits.view(-1, shape[-1])[0, 1] += 40
     logp = logits.float().log_softmax(-1)
     order = logp.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     values, indices = impl(logits, k)
     assert values.dtype == torch.float32 and indices.dtype == torch.int64 and values.shape == order.shape
-    assert torch.equal(indices, order)
+    assert torch.equal(indices, order) and (values <= 0).all()
     torch.testing.assert_close(values, logp.gather(-1, order), atol=1e-5, rtol=1e-5)
 
 
