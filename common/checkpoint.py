@@ -105,9 +105,15 @@ def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[s
 
 
 def save_safetensors(tensors: Mapping[str, Tensor], path: Path) -> None:
+    """Writes `tensors` to `path`, readable as the process's umask lets any file it makes be: safetensors 0.8
+    writes its files for their owner alone, so a head trained by one user (or as root in a container) could not be
+    served by another."""
     from safetensors.torch import save_file
 
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _gguf_parts(path: Path) -> tuple[str, str]:

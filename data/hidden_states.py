@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
 from eyas.common.attention import CausalAttention
+from eyas.common.checkpoint import save_safetensors
 from eyas.common.config import ConfigError
 from eyas.common.target import TargetModel
 from eyas.data.dataset import collate, pad_right
@@ -167,7 +167,7 @@ def dump_hidden_states(
 def _write_shard(out_dir: Path, index: dict, tensors: dict[str, Tensor], lengths: list[int]) -> None:
     """Writes conversations first .. first + len(lengths) - 1 (first: the count in the shards before)."""
     name = f"shard_{len(index['shards']):05d}.safetensors"
-    save_file(tensors, out_dir / f".{name}.tmp")
+    save_safetensors(tensors, out_dir / f".{name}.tmp")
     os.replace(out_dir / f".{name}.tmp", out_dir / name)
     first = sum(len(s["lengths"]) for s in index["shards"])
     digest = rows_digest({key: tensors[f"{i}.{key}"] for key in ("input_ids", "loss_mask")}

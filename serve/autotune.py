@@ -25,7 +25,7 @@ def parse_setting(text: str) -> TreeShape | None:
     """"off" -> None; "7,1,8" -> TreeShape(7, 1, 8)."""
     if text == "off":
         return None
-    parts = text.split(",")
+    parts = text.split(",") if isinstance(text, str) else []
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"expected 'off' or 'num_steps,topk,num_draft_tokens', got {text!r}")
     return TreeShape(*(int(p) for p in parts))
@@ -42,11 +42,15 @@ def write_autotune(path: Path, best: dict[int, TreeShape | None]) -> None:
 def read_autotune(path: Path) -> TreeByBatch:
     """The file's settings, checked: errors name the file and the entry at fault."""
     try:
-        table = json.loads(Path(path).read_text())[KEY]
-        if not isinstance(table, dict):
-            raise TypeError(f"{KEY} is a {type(table).__name__}")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not an autotune file ({{\"{KEY}\": {{batch size: setting}}}}): {e!r}") from e
+        table = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
+    table = table.get(KEY) if isinstance(table, dict) else None
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: not an autotune file ({{\"{KEY}\": {{batch size: setting}}}}, as bench-eagle "
+                         "--autotune writes)")
     out = {}
     for batch, setting in table.items():
         try:
@@ -55,7 +59,7 @@ def read_autotune(path: Path) -> TreeByBatch:
             if int(batch) in out:
                 raise ValueError(f"batch size {int(batch)} is given twice")
             out[int(batch)] = parse_setting(setting)
-        except (ValueError, AttributeError) as e:
+        except ValueError as e:
             raise ValueError(f"{path}: entry {batch!r}: {e}") from e
     if not out:
         raise ValueError(f"{path}: no settings")

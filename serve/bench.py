@@ -48,6 +48,7 @@ from eyas.data.tokenizer import render_chat
 from .autotune import format_setting, parse_setting, write_autotune
 from .commands import (
     TOKEN_MAP_HELP,
+    add_device_argument,
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")
     add_engine_arguments(parser)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     dtype = default_dtype(args.device)
     if args.output_len < 2:

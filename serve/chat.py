@@ -10,12 +10,10 @@ import argparse
 import sys
 import time
 
-import torch
-
 from eyas.common.assets import DEFAULT_TARGET
 from eyas.data.tokenizer import render_chat, stop_token_ids
 
-from .commands import load_models_for, require_positive
+from .commands import add_device_argument, load_models_for, require_positive
 from .generate import greedy_tokens
 from .text import TextStream
 
@@ -28,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"HF directory, .gguf file or packaged model name (default: {DEFAULT_TARGET})")
     parser.add_argument("--system", help="an optional system message")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     require_positive(parser, args, "max_new_tokens")
 

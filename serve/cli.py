@@ -28,6 +28,7 @@ from eyas.common.assets import DEFAULT_TARGET
 from .autotune import read_autotune
 from .commands import (
     TOKEN_MAP_HELP,
+    add_device_argument,
     add_engine_arguments,
     add_tree_arguments,
     engine_options,
@@ -107,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-name", help="the `model` clients send (default: the target's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
     add_engine_arguments(parser)
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
@@ -179,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[serve-eagle] {name}" + (f" + {args.draft}" if head is not None else " (no speculation)")
           + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     # On Ctrl-C: new connections are refused, running requests get 30 s to finish (then they are aborted).
-    GracefulServer(app, worker, host=args.host, port=args.port).run()
+    try:
+        GracefulServer(app, worker, host=args.host, port=args.port).run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it stopped for again once the server is down
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -177,11 +177,30 @@ class Models(NamedTuple):
 
 
 def load_models_for(parser: argparse.ArgumentParser, *args, **kwargs) -> Models:
-    """`load_models` for a command line: a missing target, head or token map is a usage error naming it."""
+    """`load_models` for a command line: a missing or malformed target, head or token map (a config field, a tensor,
+    a head for another target) is a usage error naming it."""
     try:
         return load_models(*args, **kwargs)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ConfigError, CheckpointError: their messages name the culprit
         parser.error(str(e))
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the models run: cuda, cuda:N or cpu (default: cuda where there is a GPU)")
+
+
+def _device(text: str) -> str:
+    """--device, checked as it is parsed (before any model loads): a device torch names, a GPU that is there."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N") from e
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: eyas runs on cpu or cuda")
+    return text
 
 
 def load_models(target: str | Path, draft: str | Path | None = None, token_map: str | Path | None = None,

@@ -35,7 +35,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from eyas.common.assets import asset_path
@@ -44,6 +43,7 @@ from eyas.data.conversations import Conversation, read_json_lines, text_of
 from .clients import Client, EndpointClient, EndpointError, EngineClient
 from .commands import (
     TOKEN_MAP_HELP,
+    add_device_argument,
     add_engine_arguments,
     add_sampling_arguments,
     add_tree_arguments,
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                              "and the baseline as many blocks (all of it with --no-baseline); lower it to share a GPU")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
     parser.add_argument("--output", type=Path, default=Path("eval"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     if bool(args.endpoint) == bool(args.target and args.draft):
         parser.error("give --target and --draft (in-process), or --endpoint")

@@ -40,6 +40,7 @@ from eyas.common.target import default_dtype
 from .autotune import format_setting
 from .bench import GREEDY, random_head, warm_engine
 from .commands import (
+    add_device_argument,
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="how long the GPU idles a step while steps overlap, as in serving (CUDA only)")
     add_sampling_arguments(parser)
     add_engine_arguments(parser)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
     if args.input_len < 1 or args.new_tokens < 2 or args.top < 1:  # two new tokens: one decode step at least

@@ -29,7 +29,6 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from eyas.common.assets import resolve_asset, resolve_asset_argument
@@ -37,6 +36,7 @@ from eyas.data.conversations import Conversation, ConversationError, read_placed
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
 from .commands import (
+    add_device_argument,
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="take conversations I, I+N, I+2N, ... (e.g. 0/2 with --device cuda:0 and 1/2 with "
                         "--device cuda:1, each to its own --output)")
     add_engine_arguments(parser, draft=False)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
     if (args.target is None) == (args.endpoint is None):

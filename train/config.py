@@ -370,7 +370,10 @@ def load_recipe(recipe: str | Path, overrides: list[str] = ()) -> TrainRecipe:
     path = recipe_path(recipe)
     try:
         values = yaml.load(path.read_text(), Loader=_Loader) or {}
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (model:, data:, optim:, ...), not a "
+                          f"{type(values).__name__}")
     source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
     return recipe_from_dict(apply_overrides(values, list(overrides)), source)

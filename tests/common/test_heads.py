@@ -506,3 +506,12 @@ def test_head_config_values_no_layer_computes_are_refused(tmp_path, fields, word
     (tmp_path / "eagle/config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
     with pytest.raises(ConfigError, match="field 'num_hidden_layers' must be >= 1, got 0"):
         load_draft_head(tmp_path / "eagle")
+
+
+def test_saved_weights_are_as_readable_as_the_config(tmp_path):
+    """safetensors 0.8 writes its files for their owner alone: a head trained by one user could not be served by
+    another. Saved weights take the mode the umask gives any new file, as config.json does."""
+    write_public_eagle3(tmp_path / "head")
+    save_eagle3(load_draft_head(tmp_path / "head"), tmp_path / "out")
+    mode = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert mode["model.safetensors"] == mode["config.json"]

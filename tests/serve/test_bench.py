@@ -221,13 +221,18 @@ def test_autotune_file_errors_name_the_entry(tmp_path):
     path.write_text(json.dumps({"settings": {}}))
     with pytest.raises(ValueError, match="not an autotune file"):
         read_autotune(path)
-    for table in (["7,1,8"], None):
-        path.write_text(json.dumps({"best_setting_by_batch_size": table}))
-        with pytest.raises(ValueError, match=r"a.json: not an autotune file .*best_setting_by_batch_size is a"):
+    for table in ({"best_setting_by_batch_size": ["7,1,8"]}, {"best_setting_by_batch_size": None}, ["7,1,8"]):
+        path.write_text(json.dumps(table))
+        with pytest.raises(ValueError, match=r'a.json: not an autotune file \(\{"best_setting_by_batch_size": \{b'):
             read_autotune(path)
-    path.write_bytes(b"\x89PNG")
-    with pytest.raises(ValueError, match="a.json: not an autotune file"):
+    path.write_text(json.dumps({"best_setting_by_batch_size": {"1": 7}}))  # a setting that is not a string
+    with pytest.raises(ValueError, match=r"a.json: entry '1': expected 'off' or 'num_steps,topk,num_dr.*', got 7$"):
         read_autotune(path)
+    path.write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="a.json: not JSON"):
+        read_autotune(path)
+    with pytest.raises(ValueError, match=r"missing.json: cannot be read \(No such file or directory\)"):
+        read_autotune(tmp_path / "missing.json")
     path.write_text(json.dumps({"best_setting_by_batch_size": {"1": "off", "01": "7,1,8"}}))
     with pytest.raises(ValueError, match="a.json: entry '01': batch size 1 is given twice"):
         read_autotune(path)

@@ -166,3 +166,34 @@ def test_a_missing_model_is_named_without_a_traceback(main, args, words, capsys)
         main(["--target", "/no/such/model", *args])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("main, args", [
+    (chat.main, ["Hi"]),
+    (evaluate.main, ["--draft", "{head}"]),
+    (bench.main, ["--draft", "{head}"]),
+], ids=["chat", "eval-eagle", "bench-eagle"])
+def test_a_malformed_model_is_named_without_a_traceback(main, args, tmp_path, capsys):
+    """A config field, a tensor or a head for another target: the loaders' ConfigError and CheckpointError name it;
+    the commands showed them in a traceback."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target/config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head/config.json").write_text("{}")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", str(tmp_path / "target"), "--device", "cpu",
+              *(a.format(head=tmp_path / "head") for a in args)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "model_type 'gpt2' is not supported" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("main, args", [(cli.main, []), (chat.main, ["Hi"]), (evaluate.main, []), (bench.main, []),
+                                        (profile.main, []), (regenerate.main, ["--output", "x.jsonl"])],
+                         ids=["serve-eagle", "chat", "eval-eagle", "bench-eagle", "profile", "regenerate"])
+@pytest.mark.parametrize("device, words", [
+    ("gpu", "'gpu' is not a device: cpu, cuda or cuda:N"), ("cuda:64", "cuda:64: this machine has"),
+    ("meta", "meta: eyas runs on cpu or cuda")])
+def test_a_device_the_machine_lacks_is_a_usage_error_before_anything_loads(main, args, device, words, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--device", device])
+    assert stopped.value.code == 2 and f"argument --device: {words}" in capsys.readouterr().err

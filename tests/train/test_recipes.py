@@ -111,10 +111,12 @@ def test_extra_deepspeed_settings_the_recipe_does_not_own_pass():
      r"(?s)bad\.yaml: not valid YAML: .*key 'optim' given twice.*line 3"),
     ("model: {random_target: {}}\noptim: {lr: 3.0e-3, lr: 1.0e-3}\n", "key 'lr' given twice"),
     ("model: {random_target: {}}\noptim: {[lr]: 3.0e-3}\n", r"a key that is not a name: \['lr'\]"),
+    ("- model\n- optim\n", r"bad\.yaml: a recipe is a mapping of sections \(model:, data:, optim:, ...\), not a list"),
+    ("\udcff\udcfe", r"bad\.yaml: not valid YAML: 'utf-8' codec can't decode"),  # a binary file
 ])
 def test_bad_file_names_file_and_key(tmp_path, text, words):
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(ConfigError, match=words):
         load_recipe(path)
 

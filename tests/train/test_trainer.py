@@ -3,8 +3,10 @@ that loads; a run stopped mid-way, killed with SIGKILL (training online or from 
 SIGTERM (which checkpoints the step it was on), resumes to bit-identical weights and metrics; ZeRO-3 trains, resumes
 and exports as ZeRO-1 does; the loss falls on an overfit."""
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -141,6 +143,25 @@ def test_init_from_refuses_a_head_of_another_shape(full_run, tmp_path):
     recipe = load_recipe("ci-tiny", QUIET + [f"model.init_from={run / 'final'}", "model.draft_vocab_size=100"])
     with pytest.raises(ConfigError, match=r"model.init_from .*draft_vocab_size \d+ \(recipe: 100\)"):
         train(recipe, tmp_path)
+
+
+def test_an_output_that_cannot_take_the_run_is_refused_before_anything_loads(full_run, tmp_path):
+    """A finished run no checkpoint resumes would be trained again from step 0 and its head, recipe and metrics
+    replaced; an output that is a file, hidden states never dumped and wandb not installed failed after the target
+    loaded (minutes on a large one), in a traceback."""
+    _, run = full_run
+    finished = tmp_path / "finished"
+    shutil.copytree(run / "final", finished / "final")
+    (finished / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "file").write_text("")
+    cases = [(finished, [], "holds a finished run (final/) and no checkpoint to resume"),
+             (tmp_path / "file", [], "a file, not a run directory"),
+             (tmp_path / "a", [f"data.hidden_states={tmp_path / 'states'}"], "no index.json; dump the hidden states"),
+             (tmp_path / "b", ["logging.wandb_project=x"], "wandb is not installed")]
+    for output, overrides, words in cases[:3] + cases[3:] * (importlib.util.find_spec("wandb") is None):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            train(load_recipe("ci-tiny", QUIET + overrides), output)
+    assert (finished / "metrics.jsonl").read_text() == "{}\n" and not (tmp_path / "a").exists()
 
 
 def test_the_speculators_verifier_is_the_target_s_class(tmp_path):
