@@ -49,12 +49,13 @@ def draft_vocab(
 
 def main(argv: list[str] | None = None) -> None:
     from eyas.common.checkpoint import target_config
+    from eyas.common.cli import HelpFormatter
     from eyas.data.conversations import FORMATS, ConversationError
     from eyas.data.dataset import DataConfig, build_dataset
     from eyas.data.tokenizer import load_tokenizer
 
     parser = argparse.ArgumentParser(
-        prog="python -m eyas.data.vocab",
+        prog="python -m eyas.data.vocab", formatter_class=HelpFormatter,
         description="Count the assistant (loss-masked) tokens of a conversation file in the target's chat "
         "template and write an FR-Spec token map: a torch.save'd list of the SIZE most frequent target "
         "token ids, most frequent first.",

@@ -38,6 +38,7 @@ import torch
 
 from eyas.common.architectures import ARCHITECTURES, random_target
 from eyas.common.assets import asset_path
+from eyas.common.cli import HelpFormatter
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.layers import Kernels, fuse_projections
@@ -314,23 +315,24 @@ def hf_tokens_per_s(target_path: Path, prompts, max_new_tokens, device, dtype) -
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench-eagle", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name")
     parser.add_argument("--draft", help="a draft head directory")
     parser.add_argument("--token-map", help=TOKEN_MAP_HELP)
     parser.add_argument("--random-weights", action="store_true",
                         help="random target and head of --arch, instead of --target and --draft")
-    parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES),
+                        help="--random-weights' architecture (the 8B's needs a GPU: 16 GB in bf16)")
     parser.add_argument("--draft-vocab", type=int, help=f"draft vocabulary of the random head (default "
                         f"{EAGLE3_DRAFT_VOCAB}, as EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot "
                         "vocabulary, as FR-Spec's)")
     parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
                         "template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: random "
                         "tokens of --input-len)")
-    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens (random prompts), or the most of one")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens a prompt (at least 2: the first "
                         "comes from the prefill, the decode steps after it are what is timed)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="requests decoded together, each timed")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs of each setting, in rounds that time every setting of a batch size once "
                         "(their engines held at once); tokens/s is the median run's and the table's spread column "

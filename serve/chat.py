@@ -11,6 +11,7 @@ import sys
 import time
 
 from eyas.common.assets import DEFAULT_TARGET
+from eyas.common.cli import HelpFormatter
 from eyas.data.tokenizer import render_chat, stop_token_ids
 
 from .commands import add_device_argument, load_models_for, require_positive
@@ -20,12 +21,12 @@ from .text import TextStream
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.chat", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("prompt", help="the user message")
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"HF directory, .gguf file or packaged model name (default: {DEFAULT_TARGET})")
     parser.add_argument("--system", help="an optional system message")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     require_positive(parser, args, "max_new_tokens")

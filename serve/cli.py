@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from eyas.common.assets import DEFAULT_TARGET
+from eyas.common.cli import HelpFormatter
 
 from .autotune import read_autotune
 from .commands import (
@@ -92,7 +93,7 @@ def recipe_arguments(recipe: str, parser: argparse.ArgumentParser) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serve-eagle", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"HF directory, .gguf file or packaged model name (default: {DEFAULT_TARGET})")
     parser.add_argument("--draft", type=Path,
@@ -106,8 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="per-batch-size settings written by `bench-eagle --autotune FILE` (they replace the tree "
                              "flags): each decode step uses the setting measured fastest at its batch size")
     parser.add_argument("--model-name", help="the `model` clients send (default: the target's name)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
     add_engine_arguments(parser)

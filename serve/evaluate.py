@@ -38,6 +38,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eyas.common.assets import asset_path
+from eyas.common.cli import HelpFormatter
 from eyas.data.conversations import Conversation, read_json_lines, text_of
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
@@ -249,7 +250,7 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eval-eagle", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
     parser.add_argument("--draft", help="the draft head directory (in-process)")
     parser.add_argument("--token-map", help=TOKEN_MAP_HELP)
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, help="only the first N questions")
     add_tree_arguments(parser, TreeShape(7, 1, 8))
     add_sampling_arguments(parser, top_k=False)  # --topk is the tree's
-    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="longest answer a turn, in tokens")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
     add_engine_arguments(parser)
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="share of free GPU memory the KV caches take: the speculative engine's half of it "
                              "and the baseline as many blocks (all of it with --no-baseline); lower it to share a GPU")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
-    parser.add_argument("--output", type=Path, default=Path("eval"))
+    parser.add_argument("--output", type=Path, default=Path("eval"),
+                        help="directory of the reports (written over: report.json, report.md and the plots)")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     if bool(args.endpoint) == bool(args.target and args.draft):

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
+from eyas.common.cli import HelpFormatter
 
 from . import hopper_compile, kernels
 from .commands import require_output_dirs
@@ -130,18 +131,18 @@ def as_launched(launches: list[kernels.RowsLaunch], N_out: int, K: int) -> list[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.linear_bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     formatter_class=HelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES), help="whose linear shapes")
     parser.add_argument("--weights", nargs="+", default=["qkv", "o", "gate_up", "down"],
-                        choices=["qkv", "o", "gate_up", "down", "lm_head"])
+                        choices=["qkv", "o", "gate_up", "down", "lm_head"], help="which of its linears")
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16],
                         help=f"rows a call (2 to {kernels.ROWS_MAX}): a tree's or a chain's verification, a draft pass")
-    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
-    parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
-    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
-    parser.add_argument("--warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64], help="the grid: weight rows a program")
+    parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256], help="the grid: K a loop iteration")
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="the grid: pipeline stages")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4], help="the grid: warps a program")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2], help="the grid: programs sharing a K range")
     parser.add_argument("--fp8", action="store_true", help="the kernel reads float8 copies of the weights")
     parser.add_argument("--all", action="store_true", help="print every launch of the grid")
     parser.add_argument("--resources", action="store_true",

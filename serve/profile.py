@@ -34,6 +34,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config, random_target
+from eyas.common.cli import HelpFormatter
 from eyas.common.profiling import Idle, idle_time, per_step, work_in
 from eyas.common.target import default_dtype
 
@@ -102,12 +103,12 @@ def idle_setting(target, head, shape: TreeShape | None, prompt: list[int], new_t
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.profile", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="smollm2-135m", choices=sorted(ARCHITECTURES))
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--arch", default="smollm2-135m", choices=sorted(ARCHITECTURES), help="random weights of")
     parser.add_argument("--trees", type=tree_setting, nargs="+", default=[None, TreeShape(6, 8, 48)],
                         help="settings: off or num_steps,topk,num_draft_tokens (default: off 6,8,48)")
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated, their steps profiled")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per phase (with --idle: gaps)")
     parser.add_argument("--idle", action="store_true",
                         help="how long the GPU idles a step while steps overlap, as in serving (CUDA only)")

@@ -32,6 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eyas.common.assets import resolve_asset, resolve_asset_argument
+from eyas.common.cli import HelpFormatter
 from eyas.data.conversations import Conversation, ConversationError, read_placed_conversations
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
@@ -216,7 +217,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.regenerate", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--data", required=True, help="conversation file, or a packaged data set (sharegpt)")
     parser.add_argument("--output", type=Path, required=True, help="JSONL to write (resumed if it exists)")
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="the model name sent to --endpoint (default: the first it lists)")
     parser.add_argument("--limit", type=int, help="regenerate only the first N conversations")
     parser.add_argument("--batch-size", type=int, default=64, help="conversations in flight at once")
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer a turn, in tokens")
     add_sampling_arguments(parser)
     parser.add_argument("--max-prompt-tokens", type=int,
                         help="end a conversation before a turn whose prompt is longer (e.g. training's max_length; "

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from eyas.common.cli import HelpFormatter
 from eyas.common.profiling import per_step, work_in
 
 from .config import load_recipe
@@ -65,11 +66,13 @@ def step_kernels(events, warmup: int) -> tuple[int, list[tuple[str, float, float
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.train.bench", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="bench-llama3.1-8b")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, default=989.0)
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--recipe", default="bench-llama3.1-8b", help="a recipe name or YAML file, as train-eagle's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, as train-eagle's --set (repeatable)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles, allocator)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the GPU's dense bf16 peak in TFLOPS, for MFU (an H100's or H200's)")
     parser.add_argument("--output", type=Path, help="run directory (default: a temporary one)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="run under torch.profiler and list a measured step's N costliest kernels (the step "

@@ -24,6 +24,7 @@ import sys
 
 import torch.distributed as dist
 
+from eyas.common.cli import HelpFormatter
 from eyas.common.config import ConfigError
 
 from .checkpoint import Stopped
@@ -32,7 +33,7 @@ from .config import load_recipe
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="train-eagle", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     formatter_class=HelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--recipe", required=True, help="a YAML path or a name in recipes/")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
+from eyas.common.cli import HelpFormatter
 
 from .. import hopper_compile
 from ..kv_cache import KVPool
@@ -131,7 +132,7 @@ def gpu_us(fn, reps: int = 20) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.attention.bench", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
     parser.add_argument("--num-splits", type=int, default=None, help="force the Triton split-KV factor")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES), help="the heads' shapes")
