@@ -41,6 +41,11 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+def _type_name(annotation: Any) -> str:
+    """`int`, `list[float]`, `int | None`: an annotation as a recipe's author writes it."""
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
 def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str):
     """Builds dataclass `cls` from `values`, checking each field's type against its annotation.
 
@@ -61,7 +66,7 @@ def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str):
         value = values[name]
         if not _type_ok(value, hints[name]):
             raise ConfigError(
-                f"{source}: field '{name}' should be {hints[name]}, got {type(value).__name__} {value!r}"
+                f"{source}: field '{name}' should be {_type_name(hints[name])}, got {type(value).__name__} {value!r}"
             )
         if hints[name] is float and isinstance(value, int):
             value = float(value)

@@ -138,7 +138,9 @@ class HotVocab:
         try:
             token_map = torch.load(path, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # JSON, numpy, a truncated file...
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            # The unpickler's advice (load with weights_only=False) is no way to read a token map: leave it out.
+            reason = ("it holds more than lists and tensors" if isinstance(e, pickle.UnpicklingError)
+                      else str(e).splitlines()[0] if str(e) else type(e).__name__)
             raise HotVocabError(f"token map {path}: not a torch.save'd list of token ids ({reason})") from e
         if not isinstance(token_map, (list, tuple, Tensor)):
             raise HotVocabError(

@@ -36,6 +36,7 @@ from .commands import (
     given_flags,
     load_models,
     refuse_unread,
+    require_positive,
     tree_shape,
 )
 from .draft import TreeShape
@@ -46,6 +47,9 @@ from .worker import EngineWorker
 # directory): keep the two in step.
 QUICKSTART_HEAD = Path("runs/quickstart/final")
 QUICKSTART_COMMAND = "train-eagle --recipe quickstart --output runs/quickstart"
+NO_QUICKSTART_HEAD = (f"no draft head at {QUICKSTART_HEAD}. Train the quickstart head first:\n"
+                      f"    {QUICKSTART_COMMAND}\n"
+                      "or give one with --draft DIR, or serve without a head: serve-eagle --speculative off")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SERVE_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "serve"
 
@@ -125,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:  # found out now, not after the model loads
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    require_positive(parser, args, "max_batch_size")
     args.tree = tree_shape(parser, args)
     try:
         args.tree_by_batch = read_autotune(args.autotune) if args.autotune else ()
@@ -143,9 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.target != DEFAULT_TARGET:
             parser.error("--draft is required with --target (or serve without a head: --speculative off)")
         if not (QUICKSTART_HEAD / "config.json").exists():
-            parser.error(f"no draft head at {QUICKSTART_HEAD}. Train the quickstart head first:\n"
-                         f"    {QUICKSTART_COMMAND}\n"
-                         f"or give one with --draft DIR, or serve without a head: serve-eagle --speculative off")
+            parser.error(NO_QUICKSTART_HEAD)
         args.draft = QUICKSTART_HEAD
     return args
 
@@ -162,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.speculative == "on" and Path(args.draft) == QUICKSTART_HEAD and not QUICKSTART_HEAD.exists():
+        print(f"serve-eagle: error: {NO_QUICKSTART_HEAD}", file=sys.stderr)  # a recipe's (smollm2-135m's) head
+        raise SystemExit(2)
     try:
         target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
                                                     args.token_map, args.device, DTYPES.get(args.dtype))

@@ -126,8 +126,10 @@ class EndpointClient(Client):
         response = self._request("GET", "/models")
         model = _field(response, lambda data: data["data"][0]["id"]) if response.status_code == 200 else None
         if not isinstance(model, str):
+            hint = ("; an OpenAI-compatible base URL ends in /v1" if response.status_code == 404
+                    and not str(self.base_url).rstrip("/").endswith("/v1") else "; name one with --model")
             raise EndpointError(f"{self.base_url}: GET /models gave HTTP {response.status_code} "
-                               f"{response.text[:200]!r}, no model to send; name one with --model")
+                               f"{response.text[:200]!r}, no model to send{hint}")
         return model
 
     def _one(self, prompt: Conversation) -> Answer | None:

@@ -178,11 +178,14 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.total_steps < 1 or self.grad_accum < 1 or not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError("need total_steps >= 1, grad_accum >= 1 and 0 <= warmup_steps <= total_steps")
+            raise ValueError(f"need total_steps >= 1, grad_accum >= 1 and 0 <= warmup_steps <= total_steps, got "
+                             f"total_steps {self.total_steps}, grad_accum {self.grad_accum}, warmup_steps "
+                             f"{self.warmup_steps}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if not all(math.isfinite(v) and v >= 0 for v in (self.lr, self.min_lr, self.weight_decay, self.grad_clip)):
-            raise ValueError("need lr, min_lr, weight_decay and grad_clip finite and >= 0")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr} exceeds lr {self.lr}: the cosine would climb, not decay")
 

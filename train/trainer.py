@@ -453,6 +453,8 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
                                f"checkpoint saved to {path}; rerun the same command to resume")
                 break
             if recipe.checkpoint.stop_after is not None and step >= recipe.checkpoint.stop_after:
+                if rank == 0:
+                    tqdm.write(f"train-eagle: stopped at step {step} as checkpoint.stop_after says; nothing exported")
                 break
     bar.close()
     done = step == recipe.optim.total_steps and not signalled

@@ -91,7 +91,7 @@ def test_autotune_file_is_read_and_checked(tmp_path, capsys):
     (["--speculative", "off", "--topk", "2", "--draft-fp8"], "--topk, --draft-fp8 would be ignored"),
     (["--autotune", "A", "--num-steps", "5", "--topk", "1"], "--autotune sets the tree per batch size: --num-steps, "
                                                               "--topk would be ignored"),
-    (["--max-batch-size", "0"], "max_batch_size"),
+    (["--max-batch-size", "0"], "--max-batch-size must be at least 1, got 0"),
     (["--mem-fraction", "1.5"], "mem_fraction must be in (0, 1], got 1.5"),
     (["--port", "-5"], "--port must be in [0, 65535], got -5"),  # bind() failed once the model had loaded
 ])
@@ -122,7 +122,7 @@ def test_a_tree_the_loaded_head_cannot_draft_stops_the_server_by_name(monkeypatc
     monkeypatch.setattr(cli, "load_models", lambda *args: (target, random_head(target, 4), None, Path("t")))
     with pytest.raises(SystemExit) as stopped:
         cli.main(["--recipe", "smollm2-135m", "--num-steps", "3", "--topk", "8", "--num-draft-tokens", "8",
-                  "--device", "cpu"])
+                  "--device", "cpu", "--draft", "head"])
     assert stopped.value.code == 2 and "serve-eagle: error: tree 3,8,8: topk 8 is more than the head's draft " \
         "vocabulary of 4 tokens" in capsys.readouterr().err
 

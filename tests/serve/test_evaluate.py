@@ -311,6 +311,8 @@ def test_endpoint_without_models_asks_for_one():
     empty = httpx.MockTransport(lambda request: httpx.Response(404, json={"detail": "Not Found"}))
     with pytest.raises(RuntimeError, match="GET /models gave HTTP 404.*name one with --model"):
         EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, empty)
+    with pytest.raises(RuntimeError, match="GET /models gave HTTP 404.*an OpenAI-compatible base URL ends in /v1"):
+        EndpointClient("http://fake", None, SamplingParams(temperature=0), 8, empty)  # the server's root
 
 
 @pytest.mark.parametrize("body", [b"<html>sign in</html>", b"[1, 2]", b'{"data": [{"name": "m"}]}', b'{"data": []}'])
