@@ -246,6 +246,10 @@ class TargetConfig:
     def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> TargetConfig:
         cfg = dict(cfg)
         cfg.update(mapping_field(cfg, "text_config", source))  # multimodal wrappers nest the decoder's fields
+        architecture = (cfg.get("architectures") or [""])[0]
+        if "eagle" in str(architecture).lower() or "speculators_model_type" in cfg or "draft_vocab_size" in cfg:
+            raise ConfigError(f"{source}: a draft head's config (architectures {cfg.get('architectures')}), not a "
+                              "target model's: a head is given as the draft (--draft, model.init_from)")
         model_type = cfg.get("model_type")
         if model_type not in _FAMILIES:
             raise ConfigError(

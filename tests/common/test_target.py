@@ -81,6 +81,9 @@ def test_rope_parameters_theta_wins_over_a_top_level_one_as_in_transformers():
     ("llama", {"num_key_value_heads": 0}, "field 'num_key_value_heads' must be >= 1, got 0"),
     ("llama", {"num_attention_heads": 0, "head_dim": 16}, "field 'num_attention_heads' must be >= 1, got 0"),
     ("llama", {"num_hidden_layers": 0}, "field 'num_hidden_layers' must be >= 1, got 0"),
+    # A draft head given as the target failed on its tensors' names (or its aux layers), not on what it is.
+    ("llama", {"architectures": ["LlamaForCausalLMEagle3"]}, "a draft head's config (architectures ['LlamaForC"),
+    ("llama", {"architectures": ["LlamaForCausalLM"], "draft_vocab_size": 32000}, "a draft head's config"),
 ])
 def test_malformed_config_values_are_named(family, fields, words):
     """Each used to fail far from the file (a TypeError, a ZeroDivisionError, or blame on another field)."""
