@@ -11,12 +11,14 @@ run with the same file, tokenizer and config loads Arrow files instead of re-rea
 The conversations are keyed on `SOURCE_STAMP` too, a hash of the code that reads and masks conversations (and so
 the tokens, through their fingerprint): `datasets` keys a module's function on its name, not its code, so a fixed
 reader would otherwise be served the old rows.
-Skipped records are reported (logged) when the file is read, so only on the first run.
+Skipped records are reported (logged) when the file is read, and again by each run that takes its conversations from
+the cache (the report is kept beside them).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,23 +68,34 @@ def load_conversations(path: str | Path, config: DataConfig | None = None) -> Da
     config = config or DataConfig()
     path = Path(path).resolve()
     stat = path.stat()
+    # Strings, not lists: datasets shards list-valued gen_kwargs. `stamp` only keys the cache.
+    key = {"path": str(path), "format": config.format, "max_bytes": config.max_bytes,
+           "stamp": f"{stat.st_size}-{stat.st_mtime_ns}-{SOURCE_STAMP}"}
     try:
-        return Dataset.from_generator(
-            _generate,
-            features=MESSAGES,
-            cache_dir=config.cache_dir,
-            # Strings, not lists: datasets shards list-valued gen_kwargs. `stamp` only keys the cache.
-            gen_kwargs={
-                "path": str(path),
-                "format": config.format,
-                "max_bytes": config.max_bytes,
-                "stamp": f"{stat.st_size}-{stat.st_mtime_ns}-{SOURCE_STAMP}",
-            },
-        )
+        conversations = Dataset.from_generator(_generate, features=MESSAGES, cache_dir=config.cache_dir,
+                                               gen_kwargs=key)
     except DatasetGenerationError as e:  # datasets wraps the reader's error: show the reader's own message
         if isinstance(e.__cause__, ConversationError):
             raise e.__cause__ from None
         raise
+    _keep_or_repeat_report(conversations, _READ_NOW.pop(json.dumps(key), None))
+    return conversations
+
+
+_READ_NOW: dict[str, ReadReport] = {}  # `_generate`'s reports by its gen_kwargs, for `load_conversations`
+REPORT_FILE = "eyas-read-report.json"
+
+
+def _keep_or_repeat_report(conversations: Dataset, report: ReadReport | None) -> None:
+    """The reader's report of a file read now is kept beside its cached conversations; a later run that takes them
+    from the cache logs it again, so that records skipped there are not skipped silently."""
+    if not conversations.cache_files:  # held in memory: every run reads the file
+        return
+    kept = Path(conversations.cache_files[0]["filename"]).parent / REPORT_FILE
+    if report is not None:
+        kept.write_text(json.dumps({"summary": report.summary(), "warn": bool(report.skipped or report.truncated)}))
+    elif kept.exists() and (earlier := json.loads(kept.read_text()))["warn"]:
+        logger.warning(f"{earlier['summary']} (read earlier; its conversations now come from the cache)")
 
 
 def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: DataConfig | None = None) -> Dataset:
@@ -114,6 +127,7 @@ def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
     report = ReadReport()
     for place, messages in read_placed_conversations(path, format=format, max_bytes=max_bytes, report=report):
         yield {"place": place, "messages": messages}
+    _READ_NOW[json.dumps({"path": path, "format": format, "max_bytes": max_bytes, "stamp": stamp})] = report
     if report.conversations == 0:  # else `datasets` fails later with "Instruction 'train' corresponds to no data"
         forced = f" (format {format!r} forced: set `format` to match the file, or leave it unset)" if format else ""
         raise ConversationError(f"no usable conversation{forced}: {report.summary()}")

@@ -207,3 +207,21 @@ def test_conversations_that_the_template_rewrites_are_dropped(smollm2_tokenizer,
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (CHAT, CHAT[1:3])))
     assert len(build_dataset(path, tok, DataConfig(cache_dir=str(tmp_path / "cache")))) == 0  # both contain "."
+
+
+def test_a_bad_record_is_reported_by_every_run_the_cache_serves(tmp_path, caplog):
+    """The reader logs skipped records as it reads; a later run takes the conversations from the cache and read
+    nothing, so it dropped the same record silently. A clean file stays quiet either way."""
+    from eyas.data.dataset import load_conversations
+
+    path, clean = tmp_path / "chats.jsonl", tmp_path / "clean.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n{broken\n")
+    clean.write_text(json.dumps({"messages": CHAT}) + "\n")
+    config = DataConfig(cache_dir=str(tmp_path / "cache"))
+    for run in ("read", "cached"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert len(load_conversations(path, config)) == 1 and len(load_conversations(clean, config)) == 1
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "skipped 1 bad record(s), first at line 2" in warnings[0], (run, warnings)
+        assert ("now come from the cache" in warnings[0]) == (run == "cached")
