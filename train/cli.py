@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     except Stopped as stopped:  # checkpointed, and said so: the status tells a retry loop the run is unfinished
         sys.exit(stopped.exit_status)
+    except KeyboardInterrupt:  # Ctrl-C before training started (loading): nothing to checkpoint, nothing to show
+        print("train-eagle: interrupted before training started", file=sys.stderr)
+        sys.exit(130)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -180,3 +180,17 @@ def test_cli_reports_a_bad_recipe_as_a_usage_error(recipe, overrides, words, cap
     assert "train-eagle: error: " in err and "Traceback" not in err
     for word in words:
         assert word in err, (word, err)
+
+
+def test_ctrl_c_while_loading_ends_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """Before training starts no signal handler is set: Ctrl-C raised KeyboardInterrupt through train-eagle, a
+    traceback where the README promises the run just stops (status 130, as for SIGINT)."""
+    from eyas.train import trainer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--recipe", "ci-tiny", "--output", str(tmp_path / "run")])
+    assert stopped.value.code == 130 and "interrupted before training started" in capsys.readouterr().err
