@@ -71,14 +71,26 @@ def load_strict(
     module.load_state_dict(state, strict=only is None, assign=True)
 
 
+def load_weights_only(path: str | Path) -> object:
+    """`torch.load` of tensors and plain containers, on the CPU. A file that does not load (JSON, numpy, cut short) is
+    a CheckpointError of one line, for the caller to name the file: torch's own message names none, and its advice,
+    loading with weights_only=False, would run the file's code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        reason = ("it holds more than tensors and plain containers" if isinstance(err, pickle.UnpicklingError)
+                  else str(err).splitlines()[0] if str(err) else type(err).__name__)
+        raise CheckpointError(reason) from err
+
+
 def read_weights_dir(path: Path, names: Collection[str] | None = None) -> dict[str, Tensor]:
     """All tensors of an HF directory: `model.safetensors`, the shards its index names, or (older
     EAGLE heads) `pytorch_model.bin`. With `names`, only those are read from safetensors files."""
     index = path / "model.safetensors.index.json"
     if (path / "pytorch_model.bin").exists() and not index.exists() and not (path / "model.safetensors").exists():
         try:
-            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:  # its own message names no file
+            return load_weights_only(path / "pytorch_model.bin")
+        except CheckpointError as err:
             raise CheckpointError(f"{path / 'pytorch_model.bin'}: not a readable PyTorch weights file ({err})") from err
     if index.exists():
         weight_map = read_json(index).get("weight_map")

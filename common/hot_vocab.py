@@ -23,7 +23,6 @@ llama_eagle3.py).
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +30,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from .checkpoint import CheckpointError, load_weights_only
 
 
 class HotVocabError(ValueError):
@@ -136,12 +137,9 @@ class HotVocab:
     def load_token_map(cls, path: str | Path, vocab_size: int) -> HotVocab:
         """Reads an FR-Spec token map file, a list of ids or a 1-D integer tensor."""
         try:
-            token_map = torch.load(path, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # JSON, numpy, a truncated file...
-            # The unpickler's advice (load with weights_only=False) is no way to read a token map: leave it out.
-            reason = ("it holds more than lists and tensors" if isinstance(e, pickle.UnpicklingError)
-                      else str(e).splitlines()[0] if str(e) else type(e).__name__)
-            raise HotVocabError(f"token map {path}: not a torch.save'd list of token ids ({reason})") from e
+            token_map = load_weights_only(path)
+        except CheckpointError as e:  # JSON, numpy, a truncated file...
+            raise HotVocabError(f"token map {path}: not a torch.save'd list of token ids ({e})") from e
         if not isinstance(token_map, (list, tuple, Tensor)):
             raise HotVocabError(
                 f"token map {path}: expected a list or 1-D tensor of token ids, "

@@ -68,21 +68,21 @@ def load_conversations(path: str | Path, config: DataConfig | None = None) -> Da
     config = config or DataConfig()
     path = Path(path).resolve()
     stat = path.stat()
-    # Strings, not lists: datasets shards list-valued gen_kwargs. `stamp` only keys the cache.
-    key = {"path": str(path), "format": config.format, "max_bytes": config.max_bytes,
-           "stamp": f"{stat.st_size}-{stat.st_mtime_ns}-{SOURCE_STAMP}"}
+    # One string, not a dict of lists (datasets shards list-valued gen_kwargs); `stamp` only keys the cache.
+    source = json.dumps({"path": str(path), "format": config.format, "max_bytes": config.max_bytes,
+                         "stamp": f"{stat.st_size}-{stat.st_mtime_ns}-{SOURCE_STAMP}"})
     try:
         conversations = Dataset.from_generator(_generate, features=MESSAGES, cache_dir=config.cache_dir,
-                                               gen_kwargs=key)
+                                               gen_kwargs={"source": source})
     except DatasetGenerationError as e:  # datasets wraps the reader's error: show the reader's own message
         if isinstance(e.__cause__, ConversationError):
             raise e.__cause__ from None
         raise
-    _keep_or_repeat_report(conversations, _READ_NOW.pop(json.dumps(key), None))
+    _keep_or_repeat_report(conversations, _READ_NOW.pop(source, None))
     return conversations
 
 
-_READ_NOW: dict[str, ReadReport] = {}  # `_generate`'s reports by its gen_kwargs, for `load_conversations`
+_READ_NOW: dict[str, ReadReport] = {}  # `_generate`'s reports by its `source`, for `load_conversations`
 REPORT_FILE = "eyas-read-report.json"
 
 
@@ -123,14 +123,17 @@ def build_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: 
     return ds
 
 
-def _generate(path: str, format: str | None, max_bytes: int | None, stamp: str):
-    report = ReadReport()
-    for place, messages in read_placed_conversations(path, format=format, max_bytes=max_bytes, report=report):
+def _generate(source: str):
+    """`load_conversations`' rows of the file `source` names (JSON: path, format, max_bytes, stamp)."""
+    args, report = json.loads(source), ReadReport()
+    for place, messages in read_placed_conversations(args["path"], format=args["format"],
+                                                     max_bytes=args["max_bytes"], report=report):
         yield {"place": place, "messages": messages}
-    _READ_NOW[json.dumps({"path": path, "format": format, "max_bytes": max_bytes, "stamp": stamp})] = report
     if report.conversations == 0:  # else `datasets` fails later with "Instruction 'train' corresponds to no data"
-        forced = f" (format {format!r} forced: set `format` to match the file, or leave it unset)" if format else ""
+        forced = (f" (format {args['format']!r} forced: set `format` to match the file, or leave it unset)"
+                  if args["format"] else "")
         raise ConversationError(f"no usable conversation{forced}: {report.summary()}")
+    _READ_NOW[source] = report
 
 
 def _tokenize_batch(

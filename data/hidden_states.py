@@ -67,10 +67,15 @@ def _metadata(target: TargetModel, aux_layers: Sequence[int], store: str) -> dic
     }
 
 
+def check_dumped(path: str | Path) -> None:
+    """A ConfigError unless `path` holds a dump's index (a training run checks before its target loads)."""
+    if not (Path(path) / INDEX).is_file():
+        raise ConfigError(f"{path}: no {INDEX}; dump the hidden states there first (dump_hidden_states; for a "
+                          "training recipe with data.hidden_states: train-eagle --recipe R --dump-hidden-states)")
+
+
 def _read_index(path: Path) -> dict:
-    if not (path / INDEX).is_file():
-        raise FileNotFoundError(f"{path}: no {INDEX}; dump hidden states there first (dump_hidden_states; for a "
-                                "training recipe with data.hidden_states: train-eagle --recipe R --dump-hidden-states)")
+    check_dumped(path)
     return json.loads((path / INDEX).read_text())
 
 

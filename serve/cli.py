@@ -147,9 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.speculative == "on" and args.draft is None:
         if args.target != DEFAULT_TARGET:
             parser.error("--draft is required with --target (or serve without a head: --speculative off)")
-        if not (QUICKSTART_HEAD / "config.json").exists():
-            parser.error(NO_QUICKSTART_HEAD)
-        args.draft = QUICKSTART_HEAD
+        args.draft = QUICKSTART_HEAD  # `main` says how to train it where it is not there yet
     return args
 
 
@@ -165,8 +163,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.speculative == "on" and Path(args.draft) == QUICKSTART_HEAD and not QUICKSTART_HEAD.exists():
-        print(f"serve-eagle: error: {NO_QUICKSTART_HEAD}", file=sys.stderr)  # a recipe's (smollm2-135m's) head
+    # The default head, or a recipe's (smollm2-135m's), before it was trained: the command that trains it.
+    untrained = not (QUICKSTART_HEAD / "config.json").exists()
+    if args.speculative == "on" and Path(args.draft) == QUICKSTART_HEAD and untrained:
+        print(f"serve-eagle: error: {NO_QUICKSTART_HEAD}", file=sys.stderr)
         raise SystemExit(2)
     try:
         target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,

@@ -56,8 +56,7 @@ from eyas.common.head_checkpoint import export_speculators, load_draft_head, sav
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.layers import use_kernels
 from eyas.common.target import TargetModel, default_dtype
-from eyas.data.hidden_states import INDEX as STATES_INDEX
-from eyas.data.hidden_states import HiddenStateDataset, dump_hidden_states, target_fingerprint
+from eyas.data.hidden_states import HiddenStateDataset, check_dumped, dump_hidden_states, target_fingerprint
 
 from . import checkpoint
 from .batches import Batch, micro_batches
@@ -280,19 +279,20 @@ def check_inputs(recipe: TrainRecipe, resuming: bool = False) -> None:
         data_inputs(recipe)
 
 
-def _check_output(output: Path, found: list[Path], recipe: TrainRecipe) -> None:
-    """Before the target loads: `output` must be a directory to write, not one holding a finished run that no
-    checkpoint resumes (it would be trained again from step 0 and its head, recipe and metrics replaced), and what
-    the run reads and logs to at its start must be there."""
+def _check_training_run(output: Path, found: list[Path], recipe: TrainRecipe) -> None:
+    """What a training run (not a dump) needs, checked before the target loads: `output` a directory to write, not
+    one holding a finished run that no checkpoint resumes (it would be trained again from step 0 and its head, recipe
+    and metrics replaced); the dumped hidden states it reads; wandb where it logs there."""
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output}: a file, not a run directory")
     if not found and (output / "final").exists():
         raise ConfigError(f"--output {output}: holds a finished run (final/) and no checkpoint to resume: train into "
                           "another --output, or remove that one")
-    states = recipe.data.hidden_states
-    if states is not None and not (Path(states) / STATES_INDEX).is_file():
-        raise ConfigError(f"data.hidden_states {states}: no {STATES_INDEX}; dump the hidden states there first "
-                          "(train-eagle with this recipe and --dump-hidden-states)")
+    if recipe.data.hidden_states is not None:
+        try:
+            check_dumped(recipe.data.hidden_states)
+        except ConfigError as err:
+            raise ConfigError(f"data.hidden_states {err}") from None
     if recipe.logging.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project is set but wandb is not installed: pip install 'eyas[wandb]'")
 
@@ -326,7 +326,7 @@ def train(recipe: TrainRecipe, output: str | Path) -> Path | None:
     if found and not recipe.checkpoint.resume:
         raise ConfigError(f"{ckpt_root}: holds {found[-1].name} of an earlier run and checkpoint.resume is false: "
                           "resume it, or train into another --output")
-    _check_output(output, found, recipe)
+    _check_training_run(output, found, recipe)
     data_order, optimizer_settings = _data_order(recipe, world_size), _optimizer_settings(recipe)
     if found:
         checkpoint.check_resumable(found[-1], data_order, recipe.optim.total_steps)
