@@ -35,6 +35,7 @@ from .commands import (
     engine_options,
     given_flags,
     load_models,
+    memory_fraction,
     refuse_unread,
     require_positive,
     tree_shape,
@@ -116,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 otherwise")
     add_engine_arguments(parser)
-    parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
+    parser.add_argument("--mem-fraction", type=memory_fraction, default=EngineConfig.mem_fraction,
                         help="share of the GPU memory left after loading that the KV cache takes")
     parser.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size,
                         help="requests decoded together at most; more wait in the queue")

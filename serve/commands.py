@@ -190,6 +190,17 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
                         help="where the models run: cuda, cuda:N or cpu (default: cuda where there is a GPU)")
 
 
+def memory_fraction(text: str) -> float:
+    """--mem-fraction, checked as it is parsed (before any model loads): a share of GPU memory, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _device(text: str) -> str:
     """--device, checked as it is parsed (before any model loads): a device torch names, a GPU that is there."""
     try:

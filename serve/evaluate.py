@@ -51,6 +51,7 @@ from .commands import (
     engine_options,
     given_flags,
     load_models_for,
+    memory_fraction,
     refuse_unread,
     require_positive,
     sampling_params,
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=1,
                         help="questions answered together (1: batch-1 latency; more: faster τ, throughput tokens/s)")
     add_engine_arguments(parser)
-    parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction,
+    parser.add_argument("--mem-fraction", type=memory_fraction, default=EngineConfig.mem_fraction,
                         help="share of free GPU memory the KV caches take: the speculative engine's half of it "
                              "and the baseline as many blocks (all of it with --no-baseline); lower it to share a GPU")
     parser.add_argument("--no-baseline", action="store_true", help="skip the speculation-off run (no speedup)")
@@ -288,8 +289,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_baseline:
         refuse_unread(parser, given, ("endpoint_off",), "--no-baseline runs no speculation-off baseline")
     require_positive(parser, args, "concurrency", "max_new_tokens", "limit")
-    if not 0 < args.mem_fraction <= 1:  # found out now, not after the models load
-        parser.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     tree = None if args.endpoint else tree_shape(parser, args)  # a server's tree is its own
     params = sampling_params(parser, args)
 

@@ -92,7 +92,8 @@ def test_autotune_file_is_read_and_checked(tmp_path, capsys):
     (["--autotune", "A", "--num-steps", "5", "--topk", "1"], "--autotune sets the tree per batch size: --num-steps, "
                                                               "--topk would be ignored"),
     (["--max-batch-size", "0"], "--max-batch-size must be at least 1, got 0"),
-    (["--mem-fraction", "1.5"], "mem_fraction must be in (0, 1], got 1.5"),
+    (["--mem-fraction", "1.5"], "argument --mem-fraction: must be in (0, 1], got 1.5"),
+    (["--mem-fraction", "half"], "argument --mem-fraction: 'half' is not a number"),
     (["--port", "-5"], "--port must be in [0, 65535], got -5"),  # bind() failed once the model had loaded
 ])
 def test_flags_that_would_be_ignored_or_fail_later_are_usage_errors(tmp_path, capsys, flags, words):

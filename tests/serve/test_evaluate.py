@@ -84,8 +84,8 @@ def test_a_packaged_bench_that_cannot_be_fetched_is_a_usage_error(monkeypatch, c
     ('{"prompt": "Hi"}\n', ["--limit", "0"], "--limit must be at least 1, got 0"),
     ('{"prompt": "Hi"}\n', ["--limit", "-1"], "--limit must be at least 1, got -1"),  # it dropped the last question
     ('{"prompt": "Hi"}\n', ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
-    ('{"prompt": "Hi"}\n', ["--mem-fraction", "0"], "--mem-fraction must be in (0, 1], got 0.0"),  # after loading
-    ('{"prompt": "Hi"}\n', ["--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1], got 1.5"),  # was halved
+    ('{"prompt": "Hi"}\n', ["--mem-fraction", "0"], "--mem-fraction: must be in (0, 1], got 0"),  # after loading
+    ('{"prompt": "Hi"}\n', ["--mem-fraction", "1.5"], "--mem-fraction: must be in (0, 1], got 1.5"),  # was halved
 ])
 def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
     path = tmp_path / "q.jsonl"
