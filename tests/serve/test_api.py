@@ -164,12 +164,16 @@ def test_completion_prompt_gets_the_tokenizers_bos():
 
 
 def test_sampling_with_seed_is_reproducible(server):
+    """A seed gives the same answer again, streamed or not; and the request is sampled (its temperature and seed
+    reach the engine): another seed, or temperature 0, answers otherwise."""
     client = server.client()
     kw = dict(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
     first = client.chat.completions.create(**kw).choices[0].message.content
     assert client.chat.completions.create(**kw).choices[0].message.content == first
     streamed, _, _ = stream_chat(client, **{k: v for k, v in kw.items() if k != "model"})
     assert streamed == first
+    for other in (dict(seed=8), dict(temperature=0)):
+        assert client.chat.completions.create(**kw | other).choices[0].message.content != first, other
 
 
 def test_top_k_extension(server):

@@ -66,5 +66,6 @@ def test_quantizing_again_keeps_the_weights_and_copies_engines_read():
 
 def test_a_copy_is_found_by_the_weight_itself():
     table, w = Fp8Weights(), torch.randn(4, 4)
-    table.add(w, quantize(w))
-    assert table.get(w) is not None and table.get(w.clone()) is None and table.get(w.view(4, 4)) is None
+    copy = quantize(w)
+    table.add(w, copy)
+    assert table.get(w) is copy and table.get(w.clone()) is None and table.get(w.view(4, 4)) is None

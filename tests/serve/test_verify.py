@@ -402,6 +402,7 @@ def test_target_probs_filters():
     # top_p = 0.7: keep the shortest prefix by probability with mass >= 0.7 (row 0: 0.644 + 0.237).
     p = probs_of(logits, SamplingParams(top_p=0.7))
     assert torch.equal(p[0] > 0, torch.tensor([True, True, False, False]))
+    assert torch.allclose(p[0, :2], full[0, :2] / full[0, :2].sum())  # the kept mass renormalised
     assert torch.allclose(p.sum(-1), torch.ones(2))
     # A top_k past the vocabulary (the API bounds it from below only) keeps every token, however large.
     for huge in (4, 5, 2**70):

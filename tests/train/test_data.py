@@ -219,10 +219,13 @@ def test_bad_sources_are_named_by_index(conversations, tmp_path, monkeypatch, en
 
 
 def test_length_groups_sort_within_windows():
+    """One window of batch_size x bucket rows holds them all here: its groups are the rows in length order, cut in
+    pairs (not pairs of random rows, each sorted)."""
     lengths = [5, 1, 9, 3, 7, 2, 8, 4]
     groups = length_groups(lengths, batch_size=2, bucket=4, rng=random.Random(0))
     assert sorted(i for g in groups for i in g) == list(range(8))
     assert all(lengths[a] <= lengths[b] for a, b in groups)
+    assert sorted(sorted(lengths[i] for i in g) for g in groups) == [[1, 2], [3, 4], [5, 7], [8, 9]]
 
 
 def test_micro_batch_size_is_the_largest_group():
