@@ -73,6 +73,9 @@ def test_split_batches_and_draft_vocab(conversations, tmp_path):
     seen = {t for ids, mask in zip(train_part["input_ids"], train_part["loss_mask"], strict=True)
             for t, k in zip(ids, mask, strict=True) if k}
     assert seen <= set(data.hot.hot_ids.tolist())
+    # Counted on the training rows alone: the held-out rows' own tokens would change it.
+    assert torch.equal(data.hot.hot_ids, draft_vocab(token_counts(train_part, 49152), 64).hot_ids)
+    assert not torch.equal(data.hot.hot_ids, draft_vocab(token_counts(rows, 49152), 64).hot_ids)
     again = load_data(recipe.data, load_rows(recipe, 49152), 49152, 64, seed=0)
     assert again.train.groups == data.train.groups and again.eval.groups == data.eval.groups
 
