@@ -74,9 +74,19 @@ def llama3_divisors(factor):
 
 
 def test_a_gguf_target_loads_every_tensor(tmp_path):
-    model = load_target(write_gguf(tmp_path / "full.gguf"))
+    """Every parameter loaded, and each holds the file's values (those llama.cpp stores unpermuted: q and k it
+    stores permuted for its rotary, which the loader undoes)."""
+    path = write_gguf(tmp_path / "full.gguf")
+    model = load_target(path)
     assert model.config.num_hidden_layers == LAYERS and model.config.rope.type == "default"
     assert not any(p.is_meta for p in model.parameters())
+    stored = {t.name: torch.from_numpy(np.array(t.data)) for t in gguf.GGUFReader(str(path)).tensors}
+    params = dict(model.named_parameters())
+    for name, param in [("token_embd", "model.embed_tokens"), ("output_norm", "model.norm"),
+                        ("blk.0.attn_v", "model.layers.0.self_attn.v_proj"),
+                        ("blk.1.attn_output", "model.layers.1.self_attn.o_proj"),
+                        ("blk.1.ffn_down", "model.layers.1.mlp.down_proj")]:
+        assert torch.equal(params[param + ".weight"], stored[name + ".weight"]), name
 
 
 def test_a_gguf_file_lacking_a_tensor_is_an_error_naming_it(tmp_path):

@@ -1,6 +1,7 @@
 """The kernel profile counts each decode-step phase's launches (operators on CPU): speculation's phases have work,
 plain decoding's draft phase has next to none. With --idle it measures the GPU's idle time between kernels."""
 
+import collections
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,13 @@ def test_cli_prints_every_setting(capsys):
     profile.main(["--arch", "tiny", "--trees", "off", "3,2,4", "--input-len", "30", "--new-tokens", "6", "--top", "2"])
     out = capsys.readouterr().out
     assert "== tiny off: operators a decode step draft" in out and "== tiny 3,2,4:" in out
+    # Under each setting's header, up to --top 2 rows a phase (its operators a step, µs, name); the tree's every phase
+    # has some, and a plain step's verify.
+    rows = {block.split(":")[0]: [line.split() for line in block.splitlines()[1:] if line.strip()]
+            for block in out.split("== ")[1:]}
+    for setting, phases in (("tiny off", {"verify"}), ("tiny 3,2,4", {"draft", "verify", "accept"})):
+        listed = collections.Counter(row[0] for row in rows[setting] if float(row[1].rstrip("x")) > 0)
+        assert phases <= set(listed) and max(listed.values()) <= 2, (setting, listed)
 
 
 def test_engine_options_reach_the_engine(monkeypatch, capsys):
