@@ -456,17 +456,22 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_flagged(monkeypatch, capsys,
 
 @pytest.mark.parametrize("run", ["train", "dump"])
 def test_a_run_reads_a_gguf_target_s_config_weights_and_tokenizer_from_one_parse(run, monkeypatch, tmp_path):
-    """transformers parses a GGUF file for its config, its tensors and its tokenizer: a run reads all three (the
-    config in `check_inputs`, the weights in `load_target`, the tokenizer in `load_rows`) within one
-    `gguf_parsed_once`, which shares one parse among them (tests/common/test_gguf.py)."""
+    """transformers parses a GGUF file for its config, its tensors and its tokenizer: a run on a GGUF target reads
+    all three (the config in `check_inputs`, the weights in `load_target`, the tokenizer in `load_rows`) within one
+    `gguf_parsed_once`, and so parses the file once (tests/common/test_gguf.py)."""
     gguf = pytest.importorskip("gguf")
-    shared = []
+    from tests.common.test_gguf import write_gguf
+
+    path = write_gguf(tmp_path / "target.gguf")  # two layers
+    parsed, shared = [], []
+    made = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: parsed.append(args[0]) or made(*args, **kwargs))
 
     def recording(function, stop=False):
         def call(*args, **kwargs):
             shared.append(getattr(gguf.GGUFReader, "shared", False))
             if stop:
-                raise KeyboardInterrupt  # the data loaded: far enough
+                raise KeyboardInterrupt  # the config and weights read: far enough
             return function(*args, **kwargs)
         return call
 
@@ -474,8 +479,10 @@ def test_a_run_reads_a_gguf_target_s_config_weights_and_tokenizer_from_one_parse
         monkeypatch.setattr(trainer, name, recording(getattr(trainer, name)))
     monkeypatch.setattr(trainer, "load_rows", recording(trainer.load_rows, stop=True))
     dumps = [f"data.hidden_states={tmp_path / 'states'}"] if run == "dump" else []  # train reads none: none dumped
-    recipe = load_recipe("ci-tiny", QUIET + dumps)
+    target = ["model.random_target=null", f"model.target={path}", "model.draft_vocab_size=16",
+              "model.aux_layers=[0,1,1]"]
+    recipe = load_recipe("ci-tiny", QUIET + dumps + target)
     with pytest.raises(KeyboardInterrupt):
         train(recipe, tmp_path / "run") if run == "train" else dump(recipe)
-    assert shared == [True, True, True]
+    assert shared == [True, True, True] and parsed == [path]
     assert not getattr(gguf.GGUFReader, "shared", False)  # let go after the run
