@@ -21,6 +21,7 @@ from eyas.serve.generate import greedy_tokens, target_tokens
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.transfer import to_device
 from eyas.serve.tree import TreeBuilder, top_log_probs
+from tests.serve.heads import fitted_head
 
 GREEDY = SamplingParams(temperature=0)
 SHAPES = {"chain": TreeShape(4, 1, 5), "tree": TreeShape(3, 3, 8), "wide": TreeShape(4, 4, 16)}
@@ -466,20 +467,23 @@ def test_sampled_verification_of_top_one_is_greedy(target, graphs, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_sampled_verification_in_the_cuda_graph(hf_checkpoint, target):
+def test_sampled_verification_in_the_cuda_graph(hf_checkpoint, target, trained):
     """On CUDA the sampled verification is captured with the target pass; top-1 sampling stays greedy there, and a
-    seeded request samples what it samples on the CPU."""
-    ps = prompts(3, target.config.vocab_size, seed=5)
+    seeded request samples what it samples on the CPU, drafts accepted (the trained head at a low temperature: a
+    random head's drafts were all rejected, and every step emitted its bonus token alone)."""
+    head, ps, _ = trained
     cuda_target = TargetModel.from_pretrained(hf_checkpoint("llama")[0], device="cuda")
+    cuda_head = copy.deepcopy(head).cuda()  # the module's head stays on the CPU for the tests after this one
     config = EngineConfig(tree=SHAPES["tree"], block_size=16, num_blocks=64, attention="triton")
-    engine, outputs = top_one_sampling(cuda_target, random_head(target).cuda(), config, ps)
-    assert outputs == [list(greedy_tokens(target, p, 20)) for p in ps]
+    engine, outputs = top_one_sampling(cuda_target, cuda_head, config, ps[:3])
+    assert outputs == [list(greedy_tokens(target, p, 20)) for p in ps[:3]]
     assert engine.graphs.capture and any("sampled verification" in key[0] for key in engine.graphs.graphs)
     # A seeded request draws there what it draws on the CPU without speculation: its draws belong to positions.
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    params = SamplingParams(temperature=0.1, top_p=0.95, seed=5)
     on_gpu = engine.generate(ps[:1], params, max_new_tokens=30)[0]
     plain = Engine(target, None, EngineConfig(speculative=False, block_size=4, num_blocks=64))
-    assert on_gpu.accepted and on_gpu.output == plain.generate(ps[:1], params, max_new_tokens=30)[0].output
+    assert sum(on_gpu.accepted) > 0 and on_gpu.output == plain.generate(ps[:1], params, max_new_tokens=30)[0].output
+    assert on_gpu.output != list(greedy_tokens(target, ps[0], 30))
 
 
 def sampled_run(target, ps, params, monkeypatch):
@@ -795,31 +799,13 @@ def test_a_tree_the_head_or_context_cannot_hold_is_refused_at_start(target, conf
 
 @pytest.fixture(scope="module")
 def trained(target):
-    """A head trained a little with the TTT loss on the target's own greedy continuations of 32 prompts,
-    so that drafts are accepted and every path of the engine (multi-token acceptance, KV moves, draft
-    extension) runs. Returns (head, prompts, the TTT-implied acceptance length on their continuations)."""
-    from eyas.common.attention import CausalAttention
-    from eyas.train.ttt import ttt_loss
-
+    """A head trained a little (`fitted_head`) on the target's own greedy continuations of 32 prompts. Returns (head,
+    prompts, the TTT-implied acceptance length on their continuations)."""
     ps = [p[:8] for p in prompts(64, target.config.vocab_size, seed=5) if len(p) >= 8][:32]
     plain = Engine(target, config=EngineConfig(block_size=4, num_blocks=1024))
-    seqs = torch.tensor([p + r.output for p, r in zip(ps, plain.generate(ps, GREEDY, 40), strict=True)])
-    with torch.no_grad():
-        out = target(seqs, torch.arange(seqs.shape[1]).expand(len(seqs), -1), CausalAttention(),
-                     aux_layers=target.config.default_aux_layers)
-        logits = target.logits(out.hidden)
-    head = random_head(target, draft_vocab=target.config.vocab_size)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    mask = torch.zeros_like(seqs)
-    mask[:, 8:] = 1  # the continuations
-    for _ in range(100):
-        loss = ttt_loss(head, target.embed_tokens, seqs, out.aux, logits, mask, steps=4).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        tau = ttt_loss(head, target.embed_tokens, seqs, out.aux, logits, mask, steps=4).tau.item()
-    return head.eval(), ps, tau
+    seqs = [p + r.output for p, r in zip(ps, plain.generate(ps, GREEDY, 40), strict=True)]
+    head, tau = fitted_head(target, seqs, [len(p) for p in ps], draft_vocab=target.config.vocab_size)
+    return head, ps, tau
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])

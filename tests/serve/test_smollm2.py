@@ -5,19 +5,19 @@ import pytest
 import torch
 
 from eyas.common.assets import asset_path
-from eyas.common.eagle3 import Eagle3Config, Eagle3Head
-from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
 from eyas.data.tokenizer import load_tokenizer, render_chat, stop_token_ids
 from eyas.serve.engine import Engine, EngineConfig, TreeShape
 from eyas.serve.generate import greedy_tokens
 from eyas.serve.sampling import SamplingParams
+from tests.serve.heads import fitted_head
 
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
     "Give me three tips for sleeping better.",
 ]
+QUESTIONS = [question + " Please explain." * i for i, question in enumerate(PROMPTS)]  # the engine's, of three lengths
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +52,28 @@ def test_chat_answer_stops_at_end_of_turn(smollm2):
     assert "<|im_end|>" == tok.convert_ids_to_tokens(answer[-1])
 
 
+@pytest.fixture(scope="module")
+def fitted(smollm2):
+    """A head fitted to the first 12 tokens of SmolLM2's greedy answers to QUESTIONS (`fitted_head`): drafts accepted
+    there, and rejected after."""
+    _, model, tok = smollm2
+    prompts = [render_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    answers = [p + list(greedy_tokens(model, p, 12)) for p in prompts]  # the engine's first 12 tokens of 20
+    head, _ = fitted_head(model, answers, [len(p) for p in prompts], draft_vocab=2048, steps=30)  # τ 4.8 on them
+    return head
+
+
 @pytest.mark.parametrize(
     "tree, batch", [(TreeShape(4, 1, 5), 1), (TreeShape(4, 1, 5), 8), (TreeShape(3, 4, 8), 1), (TreeShape(3, 4, 8), 8)],
     ids=["chain-1", "chain-8", "tree-1", "tree-8"],
 )
-def test_speculative_engine_equals_greedy(smollm2, tree, batch):
-    """The engine with a (random) EAGLE-3 head, mixed prompt lengths: output identical to target-only greedy."""
+def test_speculative_engine_equals_greedy(smollm2, fitted, tree, batch):
+    """The engine with an EAGLE-3 head fitted to these answers, mixed prompt lengths: drafts accepted in every
+    request, and the output identical to target-only greedy."""
     _, model, tok = smollm2
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(model.config, 2048)).eval()
-    head.set_hot_vocab(HotVocab.from_counts(torch.rand(model.config.vocab_size), 2048))
-    questions = [PROMPTS[i % len(PROMPTS)] + " Please explain." * (i % 3) for i in range(batch)]
-    prompts = [render_chat(tok, [{"role": "user", "content": q}]) for q in questions]
-    engine = Engine(model, head, EngineConfig(tree=tree, block_size=16, num_blocks=512))
-    requests = engine.generate(prompts, SamplingParams(temperature=0), max_new_tokens=10)
-    assert [r.output for r in requests] == [list(greedy_tokens(model, p, 10)) for p in prompts]
+    prompts = [render_chat(tok, [{"role": "user", "content": QUESTIONS[i % 3]}]) for i in range(batch)]
+    engine = Engine(model, fitted, EngineConfig(tree=tree, block_size=16, num_blocks=512))
+    requests = engine.generate(prompts, SamplingParams(temperature=0), max_new_tokens=20)
+    assert [r.output for r in requests] == [list(greedy_tokens(model, p, 20)) for p in prompts]
+    assert all(sum(r.accepted) > 0 for r in requests)
     assert engine.pool.allocator.num_free == 512
