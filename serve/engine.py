@@ -311,9 +311,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, stop_ids=()):
-        """Runs `prompts` to completion in one continuous batch; returns their requests (in order)."""
-        requests = [self.add_request(p, params, max_new_tokens, stop_ids) for p in prompts]
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], max_new_tokens: int,
+                 stop_ids=()):
+        """Runs `prompts` to completion in one continuous batch, with `params` (or each prompt with its own); returns
+        their requests (in order)."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.add_request(p, q, max_new_tokens, stop_ids) for p, q in zip(prompts, each, strict=True)]
         while self.has_work():
             self.step()
         return requests
@@ -322,13 +325,12 @@ class Engine:
         """Before serving: at each batch size `_warm_batch_sizes` gives (each bucket's graphs with each tree setting a
         batch padded to it drafts, as autotuned), a greedy generation of `new_tokens` on prompts of 31 and 32 tokens
         (Triton compiles a kernel variant for lengths that are a multiple of 16 and one for the rest), then a decode
-        step of sampled requests, without and with top-p (each verifies in a graph of its own: `_target_pass`); then a
-        greedy prompt of each longer length bucket that fits (`_prefill`'s graphs at batch 1). The CUDA graphs are
-        captured and the kernels compiled before a request waits for them: seconds, which the first requests would
-        otherwise pay. (A batch mixing greedy and sampled requests captures its graph when it first runs.) `params`: a
-        run's own setting, warmed up as well where it samples (eval-eagle's, which may filter by top-k). Leaves no
-        request and every block free. `progress`: a bar on stderr, a step per batch size and one for the prompt
-        lengths."""
+        step of sampled requests, without and with top-p, all sampled and (past one request) beside a greedy one (each
+        verifies in a graph of its own: `_verification`); then a greedy prompt of each longer length bucket that fits
+        (`_prefill`'s graphs at batch 1). The CUDA graphs are captured and the kernels compiled before a request
+        waits for them: seconds, which the first requests would otherwise pay. `params`: a run's own setting, warmed
+        up as well where it samples (eval-eagle's, which may filter by top-k). Leaves no request and every block free.
+        `progress`: a bar on stderr, a step per batch size and one for the prompt lengths."""
         vocab = self.target.config.vocab_size
         sizes = self._warm_batch_sizes()
         lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
@@ -341,6 +343,8 @@ class Engine:
                 for sampled in (SamplingParams(), SamplingParams(top_p=0.95),
                                 *([params] if params and not params.greedy else [])):
                     self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
+                    if batch > 1:
+                        self.generate(prompts, [SamplingParams(temperature=0)] + [sampled] * (batch - 1), 2)
                 bar.update()
             for n in lengths:
                 self.generate([[(7 * j) % vocab for j in range(n)]], SamplingParams(temperature=0), 1)

@@ -709,12 +709,16 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     batches = []
     generate = engine.generate
     monkeypatch.setattr(engine, "generate", lambda ps, params, *args: batches.append(
-        (len(ps), params.temperature, params.top_p)) or generate(ps, params, *args))
+        [(q.temperature, q.top_p) for q in (params if isinstance(params, list) else [params] * len(ps))])
+        or generate(ps, params, *args))
     engine.warm_up(new_tokens=4, progress=True)
-    # Each batch size greedy, sampled and with top-p; then one prompt of each length bucket past 32 that fits the
-    # context (128 blocks of 4: 512 positions, less the room a step needs).
-    assert batches == [(b, t, p) for b in (1, 2, 3) for t, p in ((0, 1), (1, 1), (1, 0.95))] + [
-        (1, 0, 1)] * 3 and engine.context_limit == 512
+    # Each batch size greedy, sampled and with top-p, the sampled ones past one request beside a greedy one too; then
+    # one prompt of each length bucket past 32 that fits the context (128 blocks of 4: 512 positions, less the room
+    # a step needs).
+    greedy, each = (0, 1), [(1, 1), (1, 0.95)]
+    assert batches == [[greedy], [(1, 1)], [(1, 0.95)]] + [
+        run for b in (2, 3) for run in [[greedy] * b] + [r for q in each for r in ([q] * b, [greedy] + [q] * (b - 1))]
+    ] + [[greedy]] * 3 and engine.context_limit == 512
     err = capsys.readouterr().err  # the bar, one step per batch size and one for the prompt lengths
     assert "warming up: 100%" in err and "4/4" in err
     assert not engine.has_work() and engine.pool.allocator.num_free == 128
@@ -733,6 +737,30 @@ def test_warm_up_runs_each_bucket_with_every_setting_its_batches_draft(target):
     plain = dataclasses.replace(config, max_batch_size=10, tree_by_batch=())
     assert Engine(target, random_head(target), plain)._warm_batch_sizes() == [1, 2, 4, 8, 10]
     assert Engine(target, None, plain)._warm_batch_sizes() == [1, 2, 4, 8, 10]
+
+
+def test_after_warm_up_a_batch_mixing_greedy_and_sampled_requests_verifies_in_graphs_captured(target, monkeypatch):
+    """A decode step of a greedy request beside sampled ones (with top-p or not) verifies in a graph of its own
+    (`_verification`), which warm_up captures: none is captured while serving. (A sampled prefill's graphs, one per
+    batch and length bucket, are not all warmed up.)"""
+    monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)  # the fixed shapes of graphs
+    engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
+                                                               max_batch_size=3))
+    verifications, call = [], GraphCache.__call__
+
+    def recording(self, name, fn, *inputs):  # the key a GPU's cache captures under
+        if name.startswith("target, "):  # a decode step's pass and verification
+            verifications.append((name, *((x.shape, x.dtype) for x in inputs)))
+        return call(self, name, fn, *inputs)
+
+    monkeypatch.setattr(GraphCache, "__call__", recording)
+    engine.warm_up(new_tokens=2)
+    warmed = set(verifications)
+    ps = prompts(3, target.config.vocab_size, seed=3)
+    for mix in ([GREEDY, SamplingParams(seed=1), SamplingParams(seed=2)], [SamplingParams(top_p=0.9, seed=1), GREEDY]):
+        engine.generate(ps[:len(mix)], mix, 6)
+    assert any("greedy rows (False, False, True)" in key[0] for key in verifications)
+    assert set(verifications) <= warmed
 
 
 def test_warm_up_takes_a_runs_own_sampling(target, monkeypatch):
