@@ -429,10 +429,11 @@ WHOLE_SM_SHARED = 193 << 10  # what a program may ask where `rows_launch` gives 
 # `rows_launch`'s whole-SM launches by the tile of rows (BLOCK_M) they run in: (BLOCK_N, BLOCK_K, stages) on a plain
 # weight whose tiles of 32 columns fit one wave of the SMs, on one whose do not, and through SiLU·mul; each the fastest
 # of its shapes in sweeps at 8, 32 and 48 rows on an H100, and 120-192 KB of shared memory a program, compiled for sm_90
-# (docs/perf.md, forty-fifth and forty-sixth entries).
+# (docs/perf.md, forty-fifth and forty-sixth entries); at 33-64 rows 6 stages on an 8B target's o and down, not 5 (the
+# (6, 8, 48) step 7.63-7.64 against 7.71 ms, interleaved on an H100: forty-ninth entry).
 WHOLE_SM_LAUNCHES = {16: ((32, 256, 6), (64, 256, 4), (64, 128, 5)),
                      32: ((32, 256, 5), (64, 256, 4), (64, 128, 4)),
-                     64: ((32, 128, 5), (64, 64, 9), (64, 128, 3))}
+                     64: ((32, 128, 6), (64, 64, 9), (64, 128, 3))}
 
 
 @functools.cache

@@ -854,7 +854,7 @@ def test_whole_sm_launches_take_tiles_of_32_columns_where_those_fit_one_wave():
     assert launch(4096, small) == (32, 256, 4, 4, 1) and launch(14336, small, silu=True) == (64, 64, 4, 4, 1)
     assert launch(4096, hopper, float8=True) == launch(4096, small, float8=True)
     assert [kernels.whole_sm_call(8, 4096, 4096, False, on) for on in (hopper, small)] == [True, False]
-    assert launch(4096, hopper, rows=48) == (32, 128, 5, 4, 1) and launch(6144, hopper, rows=33) == (64, 64, 9, 4, 1)
+    assert launch(4096, hopper, rows=48) == (32, 128, 6, 4, 1) and launch(6144, hopper, rows=33) == (64, 64, 9, 4, 1)
     assert launch(14336, hopper, silu=True, rows=64) == (64, 128, 3, 4, 1)
     assert launch(4096, hopper, rows=17) == (32, 256, 5, 4, 1) and launch(6144, hopper, rows=32) == (64, 256, 4, 4, 1)
     assert launch(14336, hopper, silu=True, rows=32) == (64, 128, 4, 4, 1)
