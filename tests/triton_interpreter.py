@@ -25,6 +25,7 @@ import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch.testing
 
 from eyas.serve.hopper_compile import build_ir, launch_spec
 from eyas.serve.kernels import EARLY
@@ -102,10 +103,10 @@ def worker(timeout: float = 300):
         yield run
 
 
-def failed_comparing(error: BaseException) -> bool:
-    """Whether `error`, re-raised from the worker, was raised where a check compares: a test's own assert or
-    torch.testing's, not an assert of eyas's code that a wrong kernel tripped before any comparison ran."""
-    import torch.testing
-
-    frames = re.findall(r'File "([^"]+)"', str(error.__cause__))
-    return bool(frames) and frames[-1].startswith((_TESTS, os.path.dirname(torch.testing.__file__)))
+def raises_in_comparison(run, fn, *args) -> None:
+    """Asserts that `run(fn, *args)` (a worker's) fails where its check compares: in a test's own assert or
+    torch.testing's, not in an assert of eyas's code that a wrong kernel tripped before any comparison ran."""
+    with pytest.raises(AssertionError) as caught:
+        run(fn, *args)
+    frames = re.findall(r'File "([^"]+)"', str(caught.value.__cause__))  # the worker's traceback
+    assert frames and frames[-1].startswith((_TESTS, os.path.dirname(torch.testing.__file__))), caught.value.__cause__

@@ -33,7 +33,7 @@ from eyas.serve.sampling import SamplingParams
 from eyas.serve.text import TextStream
 from eyas.serve.worker import EngineWorker, Finish, ShuttingDown, Stream, Tokens
 from tests.conftest import make_hf_model
-from tests.serve.test_engine import random_head
+from tests.serve.heads import random_head
 
 MODEL = "tiny"
 CONTEXT = 256

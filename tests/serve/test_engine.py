@@ -21,18 +21,10 @@ from eyas.serve.generate import greedy_tokens, target_tokens
 from eyas.serve.sampling import SamplingParams
 from eyas.serve.transfer import to_device
 from eyas.serve.tree import TreeBuilder, top_log_probs
-from tests.serve.heads import fitted_head
+from tests.serve.heads import fitted_head, random_head
 
 GREEDY = SamplingParams(temperature=0)
 SHAPES = {"chain": TreeShape(4, 1, 5), "tree": TreeShape(3, 3, 8), "wide": TreeShape(4, 4, 16)}
-
-
-def random_head(target: TargetModel, draft_vocab: int = 200, seed: int = 0) -> Eagle3Head:
-    torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab)).eval()
-    counts = torch.rand(target.config.vocab_size)
-    head.set_hot_vocab(HotVocab.from_counts(counts, draft_vocab))
-    return head
 
 
 def prompts(n, vocab, seed=0):

@@ -121,9 +121,7 @@ def test_rotary_fused_with_store_in_interpreter(interpreter, case):
 
 def test_rotary_check_catches_a_wrong_kernel(interpreter):
     """The comparison can fail: a rotary turning the wrong way is caught."""
-    with pytest.raises(AssertionError) as caught:
-        interpreter(check_rotary_fused, CPU_CASES[0], "cpu", _rotated_backwards)
-    assert triton_interpreter.failed_comparing(caught.value), caught.value.__cause__
+    triton_interpreter.raises_in_comparison(interpreter, check_rotary_fused, CPU_CASES[0], "cpu", _rotated_backwards)
 
 
 def _rotated_backwards(q, k, cos, sin):
