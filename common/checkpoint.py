@@ -207,7 +207,10 @@ def _gguf_rope_scaling(path: Path) -> dict | None:
         import gguf
     except ImportError as err:
         raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except ValueError as err:  # gguf's message names no file: "GGUF magic invalid"
+        raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from err
     arch = reader.fields["general.architecture"].contents()
 
     def field(key: str, default=None):

@@ -22,12 +22,16 @@ SENTINEL = "EyasSentinelContent"
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a target: a Hugging Face directory, or a `.gguf` file (its vocabulary and template)."""
+    """The tokenizer of a target: a Hugging Face directory, or a `.gguf` file (its vocabulary and template). A path
+    no tokenizer loads from is a ConfigError naming it."""
     path = Path(path)
-    if path.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        if path.suffix == ".gguf":
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as err:  # transformers' message may name no file (a directory without tokenizer)
+        raise ConfigError(f"{path}: no tokenizer loads from it ({str(err).splitlines()[0]})") from err
     align_eos(tokenizer)
     return tokenizer
 

@@ -19,8 +19,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from eyas.common.assets import resolve_target
-from eyas.common.checkpoint import gguf_parsed_once
+from eyas.common.checkpoint import CheckpointError, gguf_parsed_once
+from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import DraftHead, head_config_path, load_draft_head
+from eyas.common.hot_vocab import HotVocabError
 from eyas.common.target import TargetModel, default_dtype
 from eyas.data.tokenizer import load_tokenizer
 
@@ -177,11 +179,12 @@ class Models(NamedTuple):
 
 
 def load_models_for(parser: argparse.ArgumentParser, *args, **kwargs) -> Models:
-    """`load_models` for a command line: a missing or malformed target, head or token map (a config field, a tensor,
-    a head for another target) is a usage error naming it."""
+    """`load_models` for a command line: a missing or malformed target, tokenizer, head or token map (a config field,
+    a tensor, a head for another target) is a usage error naming it. Other errors keep their traceback: a ValueError
+    from a bug is not the user's input."""
     try:
         return load_models(*args, **kwargs)
-    except (FileNotFoundError, ValueError) as e:  # ConfigError, CheckpointError: their messages name the culprit
+    except (FileNotFoundError, ConfigError, CheckpointError, HotVocabError) as e:  # their messages name the culprit
         parser.error(str(e))
 
 

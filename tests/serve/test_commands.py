@@ -1,11 +1,13 @@
-"""The shared command-line pieces: a wrong draft head fails before the target loads."""
+"""The shared command-line pieces: a wrong draft head fails before the target loads; the loaders' input errors are
+usage errors, and only they."""
 
+import argparse
 import re
 
 import pytest
 
 from eyas.common.target import TargetModel
-from eyas.serve.commands import load_models
+from eyas.serve.commands import load_models, load_models_for
 
 
 @pytest.mark.parametrize("exists, reason", [(True, "no config.json"), (False, "no such directory")])
@@ -18,3 +20,28 @@ def test_a_wrong_draft_fails_before_the_target_loads(tmp_path, monkeypatch, exis
     with pytest.raises(FileNotFoundError, match=re.escape(f"draft head {draft}: {reason}")):
         load_models(tmp_path, draft)
     assert not loaded
+
+
+def test_a_target_without_a_tokenizer_or_a_corrupt_gguf_is_a_usage_error_naming_it(hf_checkpoint, tmp_path, capsys):
+    """transformers' own messages name no file (a directory without tokenizer files) or gguf's ("GGUF magic
+    invalid"); the loaders' errors name it, and the command stops with a usage error, not a traceback."""
+    target, _ = hf_checkpoint("llama")  # saved without a tokenizer
+    corrupt = tmp_path / "model.gguf"
+    corrupt.write_bytes(b"not a gguf file")
+    for path, words in ((target, f"{target}: no tokenizer loads from it"),
+                        (corrupt, f"{corrupt}: not a readable GGUF file")):
+        with pytest.raises(SystemExit) as stopped:
+            load_models_for(argparse.ArgumentParser(), path)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_an_error_of_eyas_own_while_loading_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only the loaders' input errors are usage errors: a ValueError from a bug propagates as itself."""
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug, not the user's input")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        load_models_for(argparse.ArgumentParser(), tmp_path)
