@@ -460,7 +460,7 @@ def test_a_run_reads_a_gguf_target_s_config_weights_and_tokenizer_from_one_parse
     all three (the config in `check_inputs`, the weights in `load_target`, the tokenizer in `load_rows`) within one
     `gguf_parsed_once`, and so parses the file once (tests/common/test_gguf.py)."""
     gguf = pytest.importorskip("gguf")
-    from tests.common.test_gguf import write_gguf
+    from tests.gguf_files import write_gguf
 
     path = write_gguf(tmp_path / "target.gguf")  # two layers
     parsed, shared = [], []
