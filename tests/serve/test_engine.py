@@ -700,9 +700,13 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     engine = Engine(target, random_head(target), config)
     batches = []
     generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda ps, params, *args: batches.append(
-        [(q.temperature, q.top_p) for q in (params if isinstance(params, list) else [params] * len(ps))])
-        or generate(ps, params, *args))
+
+    def recording(*args):  # each run's requests' settings, as the engine took them
+        requests = generate(*args)
+        batches.append([(r.params.temperature, r.params.top_p) for r in requests])
+        return requests
+
+    monkeypatch.setattr(engine, "generate", recording)
     engine.warm_up(new_tokens=4, progress=True)
     # Each batch size greedy, sampled and with top-p, the sampled ones past one request beside a greedy one too; then
     # one prompt of each length bucket past 32 that fits the context (128 blocks of 4: 512 positions, less the room
