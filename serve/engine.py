@@ -326,28 +326,33 @@ class Engine:
         batch padded to it drafts, as autotuned), a greedy generation of `new_tokens` on prompts of 31 and 32 tokens
         (Triton compiles a kernel variant for lengths that are a multiple of 16 and one for the rest), then a decode
         step of sampled requests, without and with top-p, all sampled and (past one request) beside a greedy one (each
-        verifies in a graph of its own: `_verification`); then a greedy prompt of each longer length bucket that fits
-        (`_prefill`'s graphs at batch 1). The CUDA graphs are captured and the kernels compiled before a request
-        waits for them: seconds, which the first requests would otherwise pay. `params`: a run's own setting, warmed
-        up as well where it samples (eval-eagle's, which may filter by top-k). Leaves no request and every block free.
-        `progress`: a bar on stderr, a step per batch size and one for the prompt lengths."""
+        verifies in a graph of its own: `_verification`); then a prompt of each longer length bucket that fits, greedy
+        and with each sampled setting (`_prefill`'s graphs at batch 1, each sampling the first token its way; a
+        batch of longer prompts still captures its prefill's graph when it first comes). The CUDA graphs are captured
+        and the kernels compiled before a request waits for them: seconds, which the first requests would otherwise
+        pay. `params`: a run's own setting, warmed up as well where it samples (eval-eagle's, which may filter by
+        top-k). Leaves no request and every block free. `progress`: a bar on stderr, a step per batch size and one for
+        the prompt lengths."""
         vocab = self.target.config.vocab_size
         sizes = self._warm_batch_sizes()
         lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
         bar = tqdm(total=len(sizes) + bool(lengths), desc="warming up", unit="step", disable=not progress,
                    file=sys.stderr)
+        greedy = SamplingParams(temperature=0)
+        sampled_settings = (SamplingParams(), SamplingParams(top_p=0.95),
+                            *([params] if params and not params.greedy else []))
         with bar:
             for batch in sizes:
                 prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
-                self.generate(prompts, SamplingParams(temperature=0), new_tokens)
-                for sampled in (SamplingParams(), SamplingParams(top_p=0.95),
-                                *([params] if params and not params.greedy else [])):
+                self.generate(prompts, greedy, new_tokens)
+                for sampled in sampled_settings:
                     self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
                     if batch > 1:
-                        self.generate(prompts, [SamplingParams(temperature=0)] + [sampled] * (batch - 1), 2)
+                        self.generate(prompts, [greedy] + [sampled] * (batch - 1), 2)
                 bar.update()
-            for n in lengths:
-                self.generate([[(7 * j) % vocab for j in range(n)]], SamplingParams(temperature=0), 1)
+            for n in lengths:  # the prefill alone: its graph samples the first token as the request does
+                for setting in (greedy, *sampled_settings):
+                    self.generate([[(7 * j) % vocab for j in range(n)]], setting, 1)
             bar.update(bool(lengths))
 
     def _warm_batch_sizes(self) -> list[int]:
