@@ -174,8 +174,9 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
     scaling = _gguf_rope_scaling(path)  # first: a scaling eyas cannot read fails before the tensors are dequantised
     folder, name = _gguf_parts(path)
     # transformers owns GGUF's name mapping, dequantisation and the q/k rotary permutation.
-    hf_model, info = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, output_loading_info=True)
+    with _gguf_refusals_named(path):
+        hf_model, info = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, output_loading_info=True)
     for kind in ("missing_keys", "mismatched_keys"):
         if info[kind]:
             names = sorted(str(key) for key in info[kind])
@@ -192,7 +193,19 @@ def gguf_config(path: Path) -> dict:
 
     scaling = _gguf_rope_scaling(path)
     folder, name = _gguf_parts(path)
-    return _with_rope_scaling(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), scaling)
+    with _gguf_refusals_named(path):
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    return _with_rope_scaling(config.to_dict(), scaling)
+
+
+@contextlib.contextmanager
+def _gguf_refusals_named(path: Path) -> Iterator[None]:
+    """transformers' refusals of a GGUF file (an architecture or quantisation it does not read: ValueError) as a
+    ConfigError naming the file."""
+    try:
+        yield
+    except ValueError as err:
+        raise ConfigError(f"{path}: {err}") from err
 
 
 def _with_rope_scaling(config: dict, scaling: dict | None) -> dict:

@@ -7,10 +7,11 @@ HIDDEN, HEADS, LAYERS = 64, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 
 
-def write_gguf(path, *, drop=(), rope_freqs=None, scaling=None):
+def write_gguf(path, *, drop=(), rope_freqs=None, scaling=None, arch="llama"):
     """A two-layer Llama of random fp32 weights; `drop` leaves tensors out, `rope_freqs` [HEAD_DIM // 2] adds
-    llama.cpp's per-frequency divisors, `scaling` (type, factor) its rope.scaling metadata."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+    llama.cpp's per-frequency divisors, `scaling` (type, factor) its rope.scaling metadata, `arch` names another
+    architecture in its metadata."""
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
@@ -25,8 +26,8 @@ def write_gguf(path, *, drop=(), rope_freqs=None, scaling=None):
     writer.add_token_types([1] * 32)
     writer.add_token_merges([])
     if scaling is not None:
-        writer.add_string("llama.rope.scaling.type", scaling[0])
-        writer.add_float32("llama.rope.scaling.factor", scaling[1])
+        writer.add_string(f"{arch}.rope.scaling.type", scaling[0])
+        writer.add_float32(f"{arch}.rope.scaling.factor", scaling[1])
     shapes = {"token_embd.weight": (32, HIDDEN), "output_norm.weight": (HIDDEN,), "output.weight": (32, HIDDEN)}
     for i in range(LAYERS):
         shapes.update({

@@ -22,14 +22,21 @@ def test_a_wrong_draft_fails_before_the_target_loads(tmp_path, monkeypatch, exis
     assert not loaded
 
 
-def test_a_target_without_a_tokenizer_or_a_corrupt_gguf_is_a_usage_error_naming_it(hf_checkpoint, tmp_path, capsys):
-    """transformers' own messages name no file (a directory without tokenizer files) or gguf's ("GGUF magic
-    invalid"); the loaders' errors name it, and the command stops with a usage error, not a traceback."""
+def test_a_target_without_a_tokenizer_or_a_gguf_transformers_refuses_is_a_usage_error_naming_it(
+        hf_checkpoint, tmp_path, capsys):
+    """transformers' own messages name no file (a directory without tokenizer files, a GGUF architecture it does not
+    read) or gguf's ("GGUF magic invalid"); the loaders' errors name it, and the command stops with a usage error, not
+    a traceback."""
+    pytest.importorskip("gguf")
+    from tests.gguf_files import write_gguf
+
     target, _ = hf_checkpoint("llama")  # saved without a tokenizer
     corrupt = tmp_path / "model.gguf"
     corrupt.write_bytes(b"not a gguf file")
+    other = write_gguf(tmp_path / "other.gguf", arch="eyasnet")
     for path, words in ((target, f"{target}: no tokenizer loads from it"),
-                        (corrupt, f"{corrupt}: not a readable GGUF file")):
+                        (corrupt, f"{corrupt}: not a readable GGUF file"),
+                        (other, f"{other}: GGUF model with architecture eyasnet is not supported")):
         with pytest.raises(SystemExit) as stopped:
             load_models_for(argparse.ArgumentParser(), path)
         err = capsys.readouterr().err
