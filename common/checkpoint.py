@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from .config import ConfigError, RopeConfig, TargetConfig, read_json
+from .config import ConfigError, RopeConfig, TargetConfig, errors_naming, read_json
 from .layers import rope_inv_freq
 from .target import TargetModel
 
@@ -174,7 +174,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
     scaling = _gguf_rope_scaling(path)  # first: a scaling eyas cannot read fails before the tensors are dequantised
     folder, name = _gguf_parts(path)
     # transformers owns GGUF's name mapping, dequantisation and the q/k rotary permutation.
-    with _gguf_refusals_named(path):
+    with errors_naming(path):  # transformers' refusal: an architecture or quantisation it does not read
         hf_model, info = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, output_loading_info=True)
     for kind in ("missing_keys", "mismatched_keys"):
@@ -193,19 +193,9 @@ def gguf_config(path: Path) -> dict:
 
     scaling = _gguf_rope_scaling(path)
     folder, name = _gguf_parts(path)
-    with _gguf_refusals_named(path):
+    with errors_naming(path):
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     return _with_rope_scaling(config.to_dict(), scaling)
-
-
-@contextlib.contextmanager
-def _gguf_refusals_named(path: Path) -> Iterator[None]:
-    """transformers' refusals of a GGUF file (an architecture or quantisation it does not read: ValueError) as a
-    ConfigError naming the file."""
-    try:
-        yield
-    except ValueError as err:
-        raise ConfigError(f"{path}: {err}") from err
 
 
 def _with_rope_scaling(config: dict, scaling: dict | None) -> dict:
@@ -220,10 +210,8 @@ def _gguf_rope_scaling(path: Path) -> dict | None:
         import gguf
     except ImportError as err:
         raise ImportError(f"{path}: reading GGUF needs the 'gguf' package: pip install 'eyas[gguf]'") from err
-    try:
+    with errors_naming(path, "not a readable GGUF file", CheckpointError):
         reader = gguf.GGUFReader(path)
-    except ValueError as err:  # gguf's message names no file: "GGUF magic invalid"
-        raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from err
     arch = reader.fields["general.architecture"].contents()
 
     def field(key: str, default=None):

@@ -7,11 +7,12 @@ file and the field. Family differences (qkv bias, q/k norm) are resolved here, o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,18 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration file or mapping is malformed; the message names the source and the field."""
+
+
+@contextlib.contextmanager
+def errors_naming(source, what: str = "", error: type[ValueError] = ConfigError,
+                  catch: tuple[type[Exception], ...] = (ValueError,)) -> Iterator[None]:
+    """A library's refusal of `source` raised within (`catch`), whose message may name no file (transformers' of a
+    directory without tokenizer files, gguf's "GGUF magic invalid"), re-raised as `error` naming it:
+    "{source}: {what} ({the message's first line})", or "{source}: {the message}" without `what`."""
+    try:
+        yield
+    except catch as err:
+        raise error(f"{source}: {what} ({str(err).splitlines()[0]})" if what else f"{source}: {err}") from err
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:
@@ -71,10 +84,8 @@ def build_dataclass(cls: type, values: Mapping[str, Any], *, source: str):
         if hints[name] is float and isinstance(value, int):
             value = float(value)
         kwargs[name] = value
-    try:
+    with errors_naming(source, catch=(ValueError, TypeError)):
         return cls(**kwargs)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{source}: {err}") from err
 
 
 def mapping_field(cfg: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError, load_strict, read_weights_dir, save_safetensors
-from .config import ConfigError, TargetConfig, read_json
+from .config import ConfigError, TargetConfig, errors_naming, read_json
 from .eagle import EAGLE_ARCHITECTURE, EagleConfig, EagleHead
 from .eagle3 import EAGLE3_ARCHITECTURE, UNSUPPORTED_FLAGS, Eagle3Config, Eagle3Head, is_eagle3_config
 from .hot_vocab import HotVocab
@@ -133,10 +133,8 @@ def _check_fits(config: EagleConfig | Eagle3Config, target: TargetConfig, source
             raise ConfigError(f"{source}: field '{key}' is {value}, but the target's {what} is {wanted}: a head "
                               "trained for another target model")
     if isinstance(config, Eagle3Config):
-        try:
+        with errors_naming(source):
             config.aux_layers_for(target)
-        except ValueError as err:
-            raise ConfigError(f"{source}: {err}") from err
 
 
 def _marked(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from eyas.common.config import ConfigError, read_json
+from eyas.common.config import ConfigError, errors_naming, read_json
 
 # Stands for an assistant message's content: plain letters that no template rewrites or merges with
 # the marker that follows.
@@ -25,13 +25,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a target: a Hugging Face directory, or a `.gguf` file (its vocabulary and template). A path
     no tokenizer loads from is a ConfigError naming it."""
     path = Path(path)
-    try:
+    with errors_naming(path, "no tokenizer loads from it", catch=(OSError, ValueError)):
         if path.suffix == ".gguf":
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as err:  # transformers' message may name no file (a directory without tokenizer)
-        raise ConfigError(f"{path}: no tokenizer loads from it ({str(err).splitlines()[0]})") from err
     align_eos(tokenizer)
     return tokenizer
 

@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import yaml
@@ -28,6 +29,7 @@ from eyas.common.cli import HelpFormatter
 
 from .autotune import read_autotune
 from .commands import (
+    LOAD_ERRORS,
     TOKEN_MAP_HELP,
     add_device_argument,
     add_engine_arguments,
@@ -159,6 +161,12 @@ def model_name(spec: str, path: Path) -> str:
     return path.stem if path.suffix == ".gguf" else path.resolve().name  # "." names the directory
 
 
+def _usage_error(message: object) -> NoReturn:
+    """Stops as argparse does on a usage error (the parser is `parse_args`'s): the message, exit status 2."""
+    print(f"serve-eagle: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     from .api import GracefulServer, create_app
 
@@ -167,16 +175,17 @@ def main(argv: list[str] | None = None) -> None:
     # The default head, or a recipe's (smollm2-135m's), before it was trained: the command that trains it.
     untrained = not (QUICKSTART_HEAD / "config.json").exists()
     if args.speculative == "on" and Path(args.draft) == QUICKSTART_HEAD and untrained:
-        print(f"serve-eagle: error: {NO_QUICKSTART_HEAD}", file=sys.stderr)
-        raise SystemExit(2)
+        _usage_error(NO_QUICKSTART_HEAD)
     try:
         target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
                                                     args.token_map, args.device, DTYPES.get(args.dtype))
-        config = dataclasses.replace(args.engine, speculative=head is not None)
+    except LOAD_ERRORS as e:
+        _usage_error(e)
+    config = dataclasses.replace(args.engine, speculative=head is not None)
+    try:
         engine = Engine(target, head, config)
-    except (FileNotFoundError, ValueError) as e:  # a missing model, or a tree this head or context cannot hold
-        print(f"serve-eagle: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except ValueError as e:  # a tree this head or context cannot hold
+        _usage_error(e)
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()
         engine.warm_up(progress=True)

@@ -178,13 +178,17 @@ class Models(NamedTuple):
     path: Path  # the target's directory or .gguf file
 
 
+# What `load_models` raises for a missing or malformed target, tokenizer, head or token map (a config field, a tensor,
+# a head for another target), each naming the culprit: a command's usage error. Other errors keep their traceback: a
+# ValueError from a bug is not the user's input.
+LOAD_ERRORS = (FileNotFoundError, ConfigError, CheckpointError, HotVocabError)
+
+
 def load_models_for(parser: argparse.ArgumentParser, *args, **kwargs) -> Models:
-    """`load_models` for a command line: a missing or malformed target, tokenizer, head or token map (a config field,
-    a tensor, a head for another target) is a usage error naming it. Other errors keep their traceback: a ValueError
-    from a bug is not the user's input."""
+    """`load_models` for a command line: its input errors (LOAD_ERRORS) are usage errors."""
     try:
         return load_models(*args, **kwargs)
-    except (FileNotFoundError, ConfigError, CheckpointError, HotVocabError) as e:  # their messages name the culprit
+    except LOAD_ERRORS as e:
         parser.error(str(e))
 
 

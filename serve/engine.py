@@ -351,8 +351,9 @@ class Engine:
                         self.generate(prompts, [greedy] + [sampled] * (batch - 1), 2)
                 bar.update()
             for n in lengths:  # the prefill alone: its graph samples the first token as the request does
+                prompt = [(7 * j) % vocab for j in range(n)]
                 for setting in (greedy, *sampled_settings):
-                    self.generate([[(7 * j) % vocab for j in range(n)]], setting, 1)
+                    self.generate([prompt], setting, 1)
             bar.update(bool(lengths))
 
     def _warm_batch_sizes(self) -> list[int]:

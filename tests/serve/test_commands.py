@@ -7,6 +7,7 @@ import re
 import pytest
 
 from eyas.common.target import TargetModel
+from eyas.serve import cli
 from eyas.serve.commands import load_models, load_models_for
 
 
@@ -43,7 +44,11 @@ def test_a_target_without_a_tokenizer_or_a_gguf_transformers_refuses_is_a_usage_
         assert stopped.value.code == 2 and words in err and "Traceback" not in err, err
 
 
-def test_an_error_of_eyas_own_while_loading_keeps_its_traceback(tmp_path, monkeypatch):
+@pytest.mark.parametrize("load", [
+    lambda path: load_models_for(argparse.ArgumentParser(), path),
+    lambda path: cli.main(["--target", str(path), "--speculative", "off", "--device", "cpu"]),
+], ids=["load_models_for", "serve-eagle"])
+def test_an_error_of_eyas_own_while_loading_keeps_its_traceback(tmp_path, monkeypatch, load):
     """Only the loaders' input errors are usage errors: a ValueError from a bug propagates as itself."""
 
     def broken(*args, **kwargs):
@@ -51,4 +56,4 @@ def test_an_error_of_eyas_own_while_loading_keeps_its_traceback(tmp_path, monkey
 
     monkeypatch.setattr(TargetModel, "from_pretrained", broken)
     with pytest.raises(ValueError, match="a bug"):
-        load_models_for(argparse.ArgumentParser(), tmp_path)
+        load(tmp_path)
