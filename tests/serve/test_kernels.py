@@ -203,13 +203,15 @@ def check_top_log_probs(device, dtype, shape, k, ties=False, impl=kernels.top_lo
     torch.testing.assert_close(values, logp.gather(-1, order), atol=1e-5, rtol=1e-5)
 
 
-def check_verify_greedy(device, B, N, max_depth=None, impl=kernels.verify_greedy):
-    """Random trees (duplicate siblings, padded tails, deep matches): the same walk as the torch verifier's."""
+def check_verify_greedy(device, B, N, max_depth=None, impl=kernels.verify_greedy, dtype=torch.float32):
+    """Random trees (duplicate siblings, padded tails, deep matches): the same walk as the torch verifier's on the
+    logits' float32 copy, with the logits in `dtype` (the engine passes the target's, bf16 on a GPU)."""
     from tests.serve.test_verify import random_trees
 
     tokens, parents, logits, valid = (x.to(device) for x in random_trees(B, N, vocab=8, seed=N))
+    logits = (logits * 3).to(dtype)  # spread, so that rounding to a half type leaves few ties
     ours = impl(tokens, parents, logits, valid, max_depth)
-    reference = verify_greedy(tokens, parents, logits, valid, max_depth)
+    reference = verify_greedy(tokens, parents, logits.float(), valid, max_depth)
     assert N < 3 or reference[1].float().mean() > 1  # the trees are accepted deeply
     for a, b in zip(ours, reference, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -549,8 +551,9 @@ def test_top_log_probs_cuda(dtype, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 12, None), (1, 48, 6), (8, 8, 7), (64, 60, 6), (4, 1, 0), (2, 97, 10),
                                   (64, 256, 12)], ids=str)
-def test_verify_greedy_cuda(case):
-    check_verify_greedy("cuda", *case)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_verify_greedy_cuda(case, dtype):
+    check_verify_greedy("cuda", *case, dtype=dtype)
 
 
 @pytest.mark.gpu
@@ -939,8 +942,9 @@ def test_top_log_probs_interpreter(interpreter, case):
 
 
 @pytest.mark.parametrize("case", [(16, 12, None), (3, 9, 3), (2, 1, 0)], ids=str)
-def test_verify_greedy_interpreter(interpreter, case):
-    interpreter(check_verify_greedy, "cpu", *case)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_verify_greedy_interpreter(interpreter, case, dtype):
+    interpreter(check_verify_greedy, "cpu", *case, kernels.verify_greedy, dtype)
 
 
 @pytest.mark.parametrize("case", [(14, 300), (7, 2100), (3, 9000), (2, 1)], ids=str)
