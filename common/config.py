@@ -19,7 +19,8 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A configuration file or mapping is malformed; the message names the source and the field."""
+    """A configuration is malformed, or does not fit what it configures (a file, a mapping, an engine's settings for
+    its models); the message names the source, the field or the setting."""
 
 
 @contextlib.contextmanager

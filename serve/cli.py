@@ -26,6 +26,7 @@ import yaml
 
 from eyas.common.assets import DEFAULT_TARGET
 from eyas.common.cli import HelpFormatter
+from eyas.common.config import ConfigError
 
 from .autotune import read_autotune
 from .commands import (
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     config = dataclasses.replace(args.engine, speculative=head is not None)
     try:
         engine = Engine(target, head, config)
-    except ValueError as e:  # a tree this head or context cannot hold
+    except ConfigError as e:  # a tree this head or context cannot hold
         _usage_error(e)
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()

@@ -55,6 +55,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from eyas.common.attention import causal_mask
+from eyas.common.config import ConfigError
 from eyas.common.head_checkpoint import DraftHead
 from eyas.common.layers import fuse_projections
 from eyas.common.target import TargetModel, TargetOutput
@@ -99,9 +100,9 @@ class EngineConfig:
 
     def __post_init__(self):
         if not 0 < self.mem_fraction <= 1:
-            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if min(self.block_size, self.max_batch_size, self.max_prefill_tokens, self.cpu_kv_tokens) < 1:
-            raise ValueError("block_size, max_batch_size, max_prefill_tokens and cpu_kv_tokens must be positive")
+            raise ConfigError("block_size, max_batch_size, max_prefill_tokens and cpu_kv_tokens must be positive")
 
 
 @dataclass(eq=False)
@@ -224,15 +225,15 @@ class Engine:
         # Positions a request may reach: the model's context, and no more than the whole pool.
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
         if head is not None and head.config.hidden_size != tcfg.hidden_size:  # else a shape error at the first draft
-            raise ValueError(f"the head's hidden size {head.config.hidden_size} is not the target's "
+            raise ConfigError(f"the head's hidden size {head.config.hidden_size} is not the target's "
                              f"{tcfg.hidden_size}: the draft embeds its tokens with the target's embedding (a head "
                              "that carries its own is not served)")
         for shape in self.trees:  # refused here, not at a request's first step
             if shape.topk > head.draft_vocab_size:
-                raise ValueError(f"tree {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
+                raise ConfigError(f"tree {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
                                  f"vocabulary of {head.draft_vocab_size} tokens")
         if self.reserve >= self.context_limit:
-            raise ValueError(f"trees {[format_setting(t) for t in self.trees]} need {self.reserve} positions a step "
+            raise ConfigError(f"trees {[format_setting(t) for t in self.trees]} need {self.reserve} positions a step "
                              f"beyond the prompt; the context holds {self.context_limit}")
         self.aux_layers: tuple[int, ...] = ()
         self.drafter = None  # None: no speculation

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from eyas.common.assets import asset_path
 from eyas.common.cli import HelpFormatter
+from eyas.common.config import ConfigError
 from eyas.data.conversations import Conversation, read_json_lines, text_of
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(tree=tree, max_batch_size=args.concurrency, mem_fraction=share, **options)
         try:
             engine_on = Engine(target, head, config)
-        except ValueError as e:  # a tree this head or context cannot hold
+        except ConfigError as e:  # a tree this head or context cannot hold
             parser.error(str(e))
         engine_off = None if args.no_baseline else Engine(
             target, None, replace(config, speculative=False, num_blocks=engine_on.pool.allocator.num_blocks))

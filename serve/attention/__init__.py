@@ -12,13 +12,16 @@ import importlib.util
 
 import torch
 
+from eyas.common.config import ConfigError
+
 from .paged import PagedAttention
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
-    """The backend class for `name`; "auto" is triton on CUDA when triton is installed, else torch."""
+    """The backend class for `name`; "auto" is triton on CUDA when triton is installed, else torch. A backend unknown
+    or unavailable on `device` is a ConfigError."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
     if name == "torch":
@@ -29,12 +32,12 @@ def attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
         from .triton_paged import TritonPagedAttention, available
 
         if not available(device):
-            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
+            raise ConfigError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
         return TritonPagedAttention
     if name == "flashinfer":
         if device.type != "cuda" or not importlib.util.find_spec("flashinfer"):
-            raise ValueError("the flashinfer attention backend needs a CUDA device and flashinfer-python installed")
+            raise ConfigError("the flashinfer attention backend needs a CUDA device and flashinfer-python installed")
         from .flashinfer_paged import FlashInferPagedAttention
 
         return FlashInferPagedAttention
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eyas.common.attention import CausalAttention, MaskedAttention, causal_mask
+from eyas.common.config import ConfigError
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
@@ -820,7 +821,7 @@ def test_a_prompt_token_the_target_cannot_embed_is_refused_alone(target):
 ])
 def test_a_tree_the_head_or_context_cannot_hold_is_refused_at_start(target, config, words):
     """Where the engine used to start, then fail each request's first step (a torch error) or refuse every prompt."""
-    with pytest.raises(ValueError, match=re.escape(words)):
+    with pytest.raises(ConfigError, match=re.escape(words)):
         Engine(target, random_head(target, draft_vocab=32), config)
 
 
@@ -932,7 +933,7 @@ def test_eagle1_head_with_token_map_equals_target_greedy(target, tmp_path):
     requests = engine.generate(ps, GREEDY, max_new_tokens=16)
     assert [r.output for r in requests] == [list(greedy_tokens(target, p, 16)) for p in ps]
     assert all(len(r.accepted) > 0 for r in requests)
-    with pytest.raises(ValueError, match="topk 101 is more than the head's draft vocabulary of 100 tokens"):
+    with pytest.raises(ConfigError, match="topk 101 is more than the head's draft vocabulary of 100 tokens"):
         Engine(target, head, EngineConfig(tree=TreeShape(2, 101, 8), block_size=4, num_blocks=256))
 
 
@@ -943,5 +944,5 @@ def test_a_head_narrower_than_the_target_is_refused(target):
     head = Eagle3Head(dataclasses.replace(cfg, hidden_size=cfg.hidden_size // 2, intermediate_size=16,
                                           num_attention_heads=2, num_key_value_heads=1)).eval()
     head.set_hot_vocab(HotVocab.from_counts(torch.rand(target.config.vocab_size), 64))
-    with pytest.raises(ValueError, match=f"the head's hidden size {cfg.hidden_size // 2} is not the target's "):
+    with pytest.raises(ConfigError, match=f"the head's hidden size {cfg.hidden_size // 2} is not the target's "):
         Engine(target, head, EngineConfig(tree=TreeShape(2, 1, 3), block_size=4, num_blocks=64))
