@@ -226,15 +226,15 @@ class Engine:
         self.context_limit = min(tcfg.max_position_embeddings, num_blocks * bs)
         if head is not None and head.config.hidden_size != tcfg.hidden_size:  # else a shape error at the first draft
             raise ConfigError(f"the head's hidden size {head.config.hidden_size} is not the target's "
-                             f"{tcfg.hidden_size}: the draft embeds its tokens with the target's embedding (a head "
-                             "that carries its own is not served)")
+                              f"{tcfg.hidden_size}: the draft embeds its tokens with the target's embedding (a head "
+                              "that carries its own is not served)")
         for shape in self.trees:  # refused here, not at a request's first step
             if shape.topk > head.draft_vocab_size:
                 raise ConfigError(f"tree {format_setting(shape)}: topk {shape.topk} is more than the head's draft "
-                                 f"vocabulary of {head.draft_vocab_size} tokens")
+                                  f"vocabulary of {head.draft_vocab_size} tokens")
         if self.reserve >= self.context_limit:
             raise ConfigError(f"trees {[format_setting(t) for t in self.trees]} need {self.reserve} positions a step "
-                             f"beyond the prompt; the context holds {self.context_limit}")
+                              f"beyond the prompt; the context holds {self.context_limit}")
         self.aux_layers: tuple[int, ...] = ()
         self.drafter = None  # None: no speculation
         if head is not None:
