@@ -26,7 +26,6 @@ import yaml
 
 from eyas.common.assets import DEFAULT_TARGET
 from eyas.common.cli import HelpFormatter
-from eyas.common.config import ConfigError
 
 from .autotune import read_autotune
 from .commands import (
@@ -177,15 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     untrained = not (QUICKSTART_HEAD / "config.json").exists()
     if args.speculative == "on" and Path(args.draft) == QUICKSTART_HEAD and untrained:
         _usage_error(NO_QUICKSTART_HEAD)
-    try:
+    try:  # a missing or malformed model, or a tree this head or context cannot hold (a ConfigError)
         target, head, tokenizer, path = load_models(args.target, args.draft if args.speculative == "on" else None,
                                                     args.token_map, args.device, DTYPES.get(args.dtype))
-    except LOAD_ERRORS as e:
-        _usage_error(e)
-    config = dataclasses.replace(args.engine, speculative=head is not None)
-    try:
+        config = dataclasses.replace(args.engine, speculative=head is not None)
         engine = Engine(target, head, config)
-    except ConfigError as e:  # a tree this head or context cannot hold
+    except LOAD_ERRORS as e:
         _usage_error(e)
     if engine.device.type == "cuda":  # elsewhere nothing is captured or compiled
         start = time.perf_counter()

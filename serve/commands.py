@@ -179,8 +179,8 @@ class Models(NamedTuple):
 
 
 # What `load_models` raises for a missing or malformed target, tokenizer, head or token map (a config field, a tensor,
-# a head for another target), each naming the culprit: a command's usage error. Other errors keep their traceback: a
-# ValueError from a bug is not the user's input.
+# a head for another target), each naming the culprit, and `Engine` for settings its models cannot hold (ConfigError):
+# a command's usage error. Other errors keep their traceback: a ValueError from a bug is not the user's input.
 LOAD_ERRORS = (FileNotFoundError, ConfigError, CheckpointError, HotVocabError)
 
 

@@ -111,8 +111,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         num_warps=num_warps, num_stages=3, **launch_options(q.device),
     )
     if splits > 1:  # one warp a row: its threads each hold all splits of their columns, so the sums over splits
-        # stay in registers, where 4 warps pass them through shared memory: 2.9 against 6.1 µs at an 8B
-        # verification's 48 rows x 11 splits, 2.2 against 3.0 at a draft pass's 8 x 33 (docs/perf.md)
+        # stay in registers (compiled for sm_90: no shared memory, where 4 warps pass them through 2 KB of it): 2.9
+        # against 6.1 µs at an 8B verification's 48 rows x 11 splits, 2.2 against 3.0 at a draft pass's 8 x 33
+        # (docs/perf.md)
         _merge_splits_kernel[(B * T * Hq,)](
             partial, lse, out, B * T * Hq, splits,
             SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=D, num_warps=1, **launch_options(out.device),

@@ -128,24 +128,6 @@ def test_a_tree_the_loaded_head_cannot_draft_stops_the_server_by_name(monkeypatc
         "vocabulary of 4 tokens" in capsys.readouterr().err
 
 
-def test_an_error_of_eyas_own_while_building_the_engine_keeps_its_traceback(monkeypatch):
-    """Only the engine's refusals of its settings (ConfigError) are usage errors: a ValueError from a bug inside
-    Engine propagates as itself."""
-    import torch
-
-    from eyas.common.architectures import random_target
-
-    target = random_target("tiny", torch.float32, "cpu")
-    monkeypatch.setattr(cli, "load_models", lambda *args: (target, None, None, Path("t")))
-    monkeypatch.setattr(cli, "Engine", _engine_with_a_bug)
-    with pytest.raises(ValueError, match="a bug"):
-        cli.main(["--target", "t", "--speculative", "off", "--device", "cpu"])
-
-
-def _engine_with_a_bug(*args, **kwargs):
-    raise ValueError("a bug, not the user's input")
-
-
 def test_impossible_tree_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stopped:
         parse_args(["--recipe", "smollm2-135m", "--topk", "2", "--num-draft-tokens", "99"])

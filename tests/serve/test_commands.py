@@ -1,5 +1,5 @@
 """The shared command-line pieces: a wrong draft head fails before the target loads; the loaders' input errors are
-usage errors, and only they."""
+usage errors, and so are the engine's refusals of its settings, and only they."""
 
 import argparse
 import re
@@ -7,7 +7,7 @@ import re
 import pytest
 
 from eyas.common.target import TargetModel
-from eyas.serve import cli
+from eyas.serve import cli, commands, evaluate
 from eyas.serve.commands import load_models, load_models_for
 
 
@@ -50,10 +50,32 @@ def test_a_target_without_a_tokenizer_or_a_gguf_transformers_refuses_is_a_usage_
 ], ids=["load_models_for", "serve-eagle"])
 def test_an_error_of_eyas_own_while_loading_keeps_its_traceback(tmp_path, monkeypatch, load):
     """Only the loaders' input errors are usage errors: a ValueError from a bug propagates as itself."""
-
-    def broken(*args, **kwargs):
-        raise ValueError("a bug, not the user's input")
-
-    monkeypatch.setattr(TargetModel, "from_pretrained", broken)
+    monkeypatch.setattr(TargetModel, "from_pretrained", _a_bug)
     with pytest.raises(ValueError, match="a bug"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize("run", [
+    lambda questions: cli.main(["--target", "t", "--speculative", "off", "--device", "cpu"]),
+    lambda questions: evaluate.main(["--target", "t", "--draft", "d", "--bench", str(questions), "--device", "cpu"]),
+], ids=["serve-eagle", "eval-eagle"])
+def test_an_error_of_eyas_own_while_building_the_engine_keeps_its_traceback(tmp_path, monkeypatch, run):
+    """Only the engine's refusals of its settings (ConfigError) are usage errors: a ValueError from a bug inside
+    Engine propagates as itself."""
+    import torch
+
+    from eyas.common.architectures import random_target
+
+    target = random_target("tiny", torch.float32, "cpu")
+    for module in (commands, cli):  # each command's own name for the loader
+        monkeypatch.setattr(module, "load_models", lambda *args: (target, None, None, tmp_path))
+    for module in (cli, evaluate):
+        monkeypatch.setattr(module, "Engine", _a_bug)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(ValueError, match="a bug"):
+        run(questions)
+
+
+def _a_bug(*args, **kwargs):
+    raise ValueError("a bug, not the user's input")

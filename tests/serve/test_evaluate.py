@@ -95,25 +95,6 @@ def test_no_questions_is_a_usage_error(tmp_path, capsys, text, limit, words):
     assert stopped.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_an_error_of_eyas_own_while_building_the_engine_keeps_its_traceback(tmp_path, monkeypatch):
-    """Only the engine's refusals of its settings (ConfigError) are usage errors: a ValueError from a bug inside
-    Engine propagates as itself."""
-    from eyas.common.architectures import random_target
-    from eyas.serve import commands
-
-    target = random_target("tiny", torch.float32, "cpu")
-    monkeypatch.setattr(commands, "load_models", lambda *args: (target, None, None, None))
-    monkeypatch.setattr(evaluate_module, "Engine", _engine_with_a_bug)
-    path = tmp_path / "q.jsonl"
-    path.write_text('{"prompt": "Hi"}\n')
-    with pytest.raises(ValueError, match="a bug"):
-        main(["--target", "t", "--draft", "d", "--bench", str(path), "--device", "cpu"])
-
-
-def _engine_with_a_bug(*args, **kwargs):
-    raise ValueError("a bug, not the user's input")
-
-
 def test_a_tree_the_head_cannot_draft_is_a_usage_error(tmp_path, capsys, monkeypatch):
     """topk past the head's draft vocabulary, found once the head is loaded (where a raw traceback was)."""
     from eyas.common.architectures import random_target
