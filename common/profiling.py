@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch.autograd import DeviceType
 
@@ -22,13 +23,37 @@ def work_in(events, spans) -> list:
     return [op for s in spans for op in s.cpu_children]
 
 
-def per_step(work, steps: int) -> list[tuple[str, float, float]]:
-    """(name, launches a step, µs a step) of each kind of `work`, the costliest first."""
+class KernelKind(NamedTuple):
+    """One kind of work (a kernel's or an operator's name) over a run, a step's share: its launches, the µs its runs
+    took (under programmatic dependent launch a kernel's run holds its wait on the kernel before), and the µs it is
+    charged (`charged_us`): over a run the charges add up to its busy time."""
+
+    name: str
+    launches: float
+    us: float
+    charged_us: float
+
+
+def per_step(work, steps: int) -> list[KernelKind]:
+    """Each kind of `work` a step, the most charged first."""
     launches, micros = collections.Counter(e.name for e in work), collections.Counter()
     for e in work:
-        micros[e.name] += e.time_range.elapsed_us()
+        micros[e.name] += e.time_range.end - e.time_range.start
+    charged = charged_us(work)
     steps = max(steps, 1)
-    return [(name, launches[name] / steps, us / steps) for name, us in micros.most_common()]
+    return sorted((KernelKind(name, launches[name] / steps, micros[name] / steps, charged[name] / steps)
+                   for name in launches), key=lambda k: -k.charged_us)
+
+
+def charged_us(work) -> collections.Counter:
+    """µs charged to each name of `work` (events with a time range, µs; they may overlap): in order of start, what
+    each moves the end of the work before it, so a kernel launched early under programmatic dependent launch is
+    charged from where the one before it ended, and overlapped time is charged once."""
+    charged, end = collections.Counter(), float("-inf")
+    for e in sorted(work, key=lambda e: e.time_range.start):
+        charged[e.name] += max(0.0, e.time_range.end - max(end, e.time_range.start))
+        end = max(end, e.time_range.end)
+    return charged
 
 
 @dataclass

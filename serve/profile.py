@@ -11,10 +11,13 @@ an engine on random weights of --arch (a step's kernels do not depend on the wei
 --input-len random tokens, and profiles --new-tokens of decoding with `torch.profiler` (after an untimed run of the
 same generation, which captures the CUDA graphs and compiles the kernels), greedy unless --temperature. The engine
 times its phases between syncs, so each phase's device work lies inside its span (`Engine._phase`). Per phase it
-prints the kernels a step and the costliest kernels: counts are exact; times carry the profiler's overhead
-(bench-eagle measures step times). On Hopper a Triton kernel's time also holds its wait on the kernel before
-(programmatic dependent launch starts it early: `eyas.serve.kernels.launch_options`). Off CUDA it counts the torch
-operators each phase calls instead.
+prints the kernels a step and the most charged kernels: counts are exact; times carry the profiler's overhead
+(bench-eagle measures step times). On Hopper a Triton kernel's own time also holds its wait on the kernel before
+(programmatic dependent launch starts it early: `eyas.serve.kernels.launch_options`), so each kernel is also
+charged only what it adds to the end of the work before it: the charges of a phase add up to its busy time, as the
+own times do not (`--arch llama-3.1-8b --trees 6,8,48 --draft-fp8` on an H100: verification's 128 few-rows linears
+ran 8.39 ms a step and were charged 5.38; docs/perf.md, fifty-second entry). Off CUDA it counts the torch operators
+each phase calls instead.
 
 With --idle (CUDA only) the steps run as they do in serving instead, the next one queued while the last runs, and
 the profile reports how long the GPU idles a step between kernels, and around which kernels: the host's share of a
@@ -35,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config, random_target
 from eyas.common.cli import HelpFormatter
-from eyas.common.profiling import Idle, idle_time, per_step, work_in
+from eyas.common.profiling import Idle, KernelKind, idle_time, per_step, work_in
 from eyas.common.target import default_dtype
 
 from .autotune import format_setting
@@ -59,10 +62,10 @@ PHASES = ("draft", "verify", "accept")
 
 @dataclass
 class PhaseProfile:
-    """One phase: launches per decode step, and (name, launches per step, µs per step) of each kernel kind."""
+    """One phase: launches per decode step, and each kernel kind's share of a step, the most charged first."""
 
     launches: float
-    kernels: list[tuple[str, float, float]]
+    kernels: list[KernelKind]
 
 
 def profile_setting(target, head, shape: TreeShape | None, prompt: list[int], new_tokens: int,
@@ -147,8 +150,8 @@ def print_phases(setting: str, unit: str, phases: dict[str, PhaseProfile], top: 
     launches = ", ".join(f"{phase} {p.launches:.1f}" for phase, p in phases.items())
     print(f"== {setting}: {unit} a decode step {launches}")
     for phase, p in phases.items():
-        for name, launches, us in p.kernels[:top]:
-            print(f"  {phase:>6} {launches:6.1f}x {us:8.1f} us  {name[:100]}")
+        for name, launches, us, charged in p.kernels[:top]:
+            print(f"  {phase:>6} {launches:6.1f}x {us:8.1f} us, charged {charged:8.1f}  {name[:90]}")
 
 
 def print_idle(setting: str, idle: Idle, steps: int, top: int) -> None:

@@ -10,8 +10,9 @@ FLOPs a perfect implementation must do; masked-out attention scores are not coun
   head, k steps    6·(k·P_h + P_fc) + k·6·T·Hq  (P_h: the layer + lm_head, fc once; fwd + bwd, causal part)
 MFU = achieved FLOP/s over the dense bf16 peak given (default 989 TFLOP/s, an H100/H200 SXM datasheet).
 
-`--profile N` runs the same under `torch.profiler` and lists the N kernels that take the most device time in a
-measured step (off CUDA: the operators a step calls), which is where a faster step has to come from:
+`--profile N` runs the same under `torch.profiler` and lists the N kernels charged the most device time in a
+measured step (off CUDA: the operators a step calls; each is charged what it adds to the end of the work before it,
+so time that kernels overlap counts once), which is where a faster step has to come from:
 
     python -m eyas.train.bench --recipe bench-llama3.1-8b --set model.random_arch=smollm2-135m \\
         --set data.synthetic.batch_size=4 --profile 25
@@ -32,7 +33,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from eyas.common.cli import HelpFormatter
-from eyas.common.profiling import per_step, work_in
+from eyas.common.profiling import KernelKind, per_step, work_in
 
 from .config import load_recipe
 from .target import target_config_of
@@ -55,9 +56,9 @@ def flops_per_token(target_cfg, head_cfg, seq_len: int, steps: int) -> float:
     return target + 6 * (steps * per_step + fc) + steps * attention
 
 
-def step_kernels(events, warmup: int) -> tuple[int, list[tuple[str, float, float]]]:
+def step_kernels(events, warmup: int) -> tuple[int, list[KernelKind]]:
     """The device work of the training steps after the first `warmup` (off CUDA: the operators a step calls), from a
-    profiler's events -> (steps, [(name, launches a step, µs a step)], the costliest first)."""
+    profiler's events -> (steps, each kind's share of a step, the most charged first)."""
     steps = sorted((e for e in events if e.name == STEP_RANGE and e.device_type == DeviceType.CPU),
                    key=lambda e: e.time_range.start)[warmup:]
     return len(steps), per_step(work_in(events, steps), len(steps))
@@ -114,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         steps, kernels = step_kernels(profiler.events(), args.warmup)
         unit, calls = ("kernels", "launches") if torch.cuda.is_available() else ("operators", "calls")
         print(f"under the profiler; {unit} of a step (mean of {steps} steps): "
-              f"{sum(k[1] for k in kernels):.0f} {calls}, {sum(k[2] for k in kernels) / 1e3:.1f} ms")
-        for name, launches, us in kernels[: args.profile]:
-            print(f"  {launches:7.1f}x {us / 1e3:9.3f} ms  {name[:110]}")
+              f"{sum(k.launches for k in kernels):.0f} {calls}, {sum(k.charged_us for k in kernels) / 1e3:.1f} ms busy")
+        for name, launches, us, charged in kernels[: args.profile]:
+            print(f"  {launches:7.1f}x {us / 1e3:9.3f} ms, charged {charged / 1e3:9.3f}  {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eyas.common.architectures import random_target
-from eyas.common.profiling import idle_time
+from eyas.common.profiling import KernelKind, idle_time, per_step
 from eyas.serve import profile
 from eyas.serve.bench import random_head
 from eyas.serve.draft import TreeShape
@@ -24,12 +24,13 @@ def test_phases_are_counted():
     assert set(plain) == set(tree) == set(profile.PHASES)
     assert tree["draft"].launches > 10 * max(plain["draft"].launches, 1)  # a tree's passes against a root alone
     assert all(p.launches > 0 and p.kernels for p in (plain["verify"], tree["verify"], tree["accept"]))
-    linear = {name: per_step for name, per_step, _ in tree["draft"].kernels}["aten::linear"]
+    linear = {k.name: k.launches for k in tree["draft"].kernels}["aten::linear"]
     assert linear == 2 * 5  # two draft passes, each: the joined qkv, o, the joined gate/up, down, the lm_head
 
 
 def test_cli_prints_every_setting(capsys):
-    profile.main(["--arch", "tiny", "--trees", "off", "3,2,4", "--input-len", "30", "--new-tokens", "6", "--top", "2"])
+    profile.main(["--arch", "tiny", "--trees", "off", "3,2,4", "--input-len", "30", "--new-tokens", "6", "--top", "2",
+                  "--device", "cpu"])  # operators: on a GPU machine the default device is CUDA
     out = capsys.readouterr().out
     assert "== tiny off: operators a decode step draft" in out and "== tiny 3,2,4:" in out
     # Under each setting's header, up to --top 2 rows a phase (its operators a step, µs, name); the tree's every phase
@@ -67,12 +68,12 @@ def test_sampled_verification_is_counted():
     greedy = profile.profile_setting(target, head, shape, prompt, 8)
     sampled = profile.profile_setting(target, head, shape, prompt, 8, SamplingParams(temperature=0.8, top_p=0.9))
     assert sampled["verify"].launches > greedy["verify"].launches
-    assert "aten::searchsorted" in {name for name, _, _ in sampled["verify"].kernels}
+    assert "aten::searchsorted" in {k.name for k in sampled["verify"].kernels}
 
 
 
 def kernel(name, start, end):
-    """A device event as `idle_time` reads it."""
+    """A device event as `idle_time` and `per_step` read it."""
     return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
 
 
@@ -87,6 +88,16 @@ def test_idle_time_counts_the_gaps_between_overlapping_kernels():
     repeated = idle_time([kernel("x", 0, 1), kernel("y", 5, 6), kernel("x", 10, 11), kernel("y", 15, 16)])
     assert repeated.gaps == [("x", "y", 2, 8), ("y", "x", 1, 4)]
     assert idle_time([]).span == 0
+
+
+def test_overlapping_kernels_are_charged_what_they_add_to_the_end():
+    """b starts inside a (launched early, it waits on a) and c inside b: a is charged its 10 µs, b the 20 after a's
+    end, c nothing; d, after a gap, its own 4. The charges add up to the busy time; a kind's own times do not."""
+    work = [kernel("d", 40, 44), kernel("a", 0, 10), kernel("b", 8, 30), kernel("c", 12, 20), kernel("d", 50, 51)]
+    kinds = per_step(work, steps=2)
+    assert kinds == [KernelKind("b", 0.5, 11, 10), KernelKind("a", 0.5, 5, 5), KernelKind("d", 1, 2.5, 2.5),
+                     KernelKind("c", 0.5, 4, 0)]
+    assert 2 * sum(k.charged_us for k in kinds) == idle_time(work).busy
 
 
 @pytest.mark.parametrize("args, words", [
