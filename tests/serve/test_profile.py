@@ -33,8 +33,8 @@ def test_cli_prints_every_setting(capsys):
                   "--device", "cpu"])  # operators: on a GPU machine the default device is CUDA
     out = capsys.readouterr().out
     assert "== tiny off: operators a decode step draft" in out and "== tiny 3,2,4:" in out
-    # Under each setting's header, up to --top 2 rows a phase (its operators a step, µs, name); the tree's every phase
-    # has some, and a plain step's verify.
+    # Under each setting's header, up to --top 2 rows a phase (its operators a step, µs, charged µs, name); the
+    # tree's every phase has some, and a plain step's verify.
     rows = {block.split(":")[0]: [line.split() for line in block.splitlines()[1:] if line.strip()]
             for block in out.split("== ")[1:]}
     for setting, phases in (("tiny off", {"verify"}), ("tiny 3,2,4", {"draft", "verify", "accept"})):
