@@ -49,11 +49,20 @@ def charged_us(work) -> collections.Counter:
     """µs charged to each name of `work` (events with a time range, µs; they may overlap): in order of start, what
     each moves the end of the work before it, so a kernel launched early under programmatic dependent launch is
     charged from where the one before it ended, and overlapped time is charged once."""
-    charged, end = collections.Counter(), float("-inf")
-    for e in sorted(work, key=lambda e: e.time_range.start):
+    charged = collections.Counter()
+    for e, end, _ in _after_the_work_before(work):
         charged[e.name] += max(0.0, e.time_range.end - max(end, e.time_range.start))
-        end = max(end, e.time_range.end)
     return charged
+
+
+def _after_the_work_before(work):
+    """Each event of `work` in order of start, with the end of the work before it (-inf for the first) and the event
+    that ended last there (None for the first)."""
+    end, last = float("-inf"), None
+    for e in sorted(work, key=lambda e: e.time_range.start):
+        yield e, end, last
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
 
 
 @dataclass
@@ -70,21 +79,14 @@ class Idle:
 def idle_time(kernels, min_gap_us: float = 3.0) -> Idle:
     """`Idle` of device events (each with a name and a time range, µs; they may overlap, as kernels under
     programmatic dependent launch do)."""
-    kernels = sorted(kernels, key=lambda e: e.time_range.start)
     if not kernels:
         return Idle(0.0, 0.0, [])
     gaps = collections.defaultdict(lambda: [0, 0.0])
-    busy, start, end, last = 0.0, kernels[0].time_range.start, kernels[0].time_range.end, kernels[0]
-    for e in kernels[1:]:
-        if e.time_range.start > end:  # the device idled from `end` on
-            busy += end - start
-            if e.time_range.start - end > min_gap_us:
-                gap = gaps[last.name, e.name]
-                gap[0] += 1
-                gap[1] += e.time_range.start - end
-            start = e.time_range.start
-        if e.time_range.end > end:
-            end, last = e.time_range.end, e
-    busy += end - start
-    return Idle(end - kernels[0].time_range.start, busy,
+    for e, end, last in _after_the_work_before(kernels):
+        if last is not None and e.time_range.start - end > min_gap_us:  # the device idled from `end` on
+            gap = gaps[last.name, e.name]
+            gap[0] += 1
+            gap[1] += e.time_range.start - end
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    return Idle(span, sum(charged_us(kernels).values()),
                 sorted(((a, b, n, us) for (a, b), (n, us) in gaps.items()), key=lambda g: -g[3]))

@@ -37,7 +37,7 @@ def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     (triton or flashinfer on a CPU, flashinfer not installed) is a usage error: read them before any model loads."""
     try:
         attention_backend(args.attention, torch.device(args.device))
-    except ValueError as e:
+    except ConfigError as e:
         parser.error(f"--attention {args.attention}: {e}")
     return {"attention": args.attention, "cuda_graphs": not args.disable_cuda_graph,
             "overlap": not args.disable_overlap, "draft_fp8": args.draft_fp8}
