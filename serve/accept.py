@@ -1,7 +1,7 @@
 """The accept phase's bookkeeping around the draft's extension: what the draft reads along each row's accepted path
 (`path_inputs`), and the move of the path's target KV to the positions its nodes now hold (`move_path`).
 
-Torch references here. On CUDA the engine runs `eyas.serve.kernels.ACCEPT`, which equals them in one launch each
+Torch references here. On CUDA the engine runs `eyas.serve.step_kernels.ACCEPT`, which equals them in one launch each
 where these take about twenty and two small kernels: a small model's accept phase is bound by its launches.
 
 Shapes: B' rows (padding rows included), N tree nodes, T the path length a step provides for (its tree's depth + 1,
@@ -56,7 +56,7 @@ def move_path(pool: KVPool, path: Tensor, num_accepted: Tensor, n: Tensor, table
 
 
 class AcceptKernels(NamedTuple):
-    """The torch references above (`TORCH_ACCEPT`), or the Triton kernels that equal them (`kernels.ACCEPT`)."""
+    """The torch references above (`TORCH_ACCEPT`), or the Triton kernels that equal them (`step_kernels.ACCEPT`)."""
 
     path_inputs: Callable[..., PathInputs]
     move_path: Callable[..., None]

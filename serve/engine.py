@@ -27,12 +27,12 @@ inputs; a prefill chunk replays one (the target pass, the prompt's first token a
 are padded to a bucket, prefill chunks to a length bucket, block tables to full width. On CUDA the models'
 elementwise work and one-token projections, the draft's top-k, the draft tree's bookkeeping, verification's walks
 (greedy and sampled), its top-k / top-p filter and the accept phase's bookkeeping (`accept.py`) run as fused Triton
-kernels (`kernels.py`); each graph looks its rotary tables up (`rope.py`). On every device the engine joins each layer's
-q/k/v projections, and its MLP's gate/up, into one matmul each (`common.layers.fuse_projections`), folds the
-models' norm weights into the projections they feed (their `fold_norms`: what is left of such a norm, 1 / RMS, the
-few-rows kernel applies to its sums, and SiLU·mul after cuBLAS's gate/up; a split or float8 few-rows call, and
-cuBLAS's other projections, still launch it as a norm of their inputs), and with
-`draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read (`fp8.py`).
+kernels (the layers' `kernels.py`, the rest `step_kernels.py`); each graph looks its rotary tables up (`rope.py`).
+On every device the engine joins each layer's q/k/v projections, and its MLP's gate/up, into one matmul each
+(`common.layers.fuse_projections`), folds the models' norm weights into the projections they feed (their
+`fold_norms`: what is left of such a norm, 1 / RMS, the few-rows kernel applies to its sums, and SiLU·mul after
+cuBLAS's gate/up; a split or float8 few-rows call, and cuBLAS's other projections, still launch it as a norm of their
+inputs), and with `draft_fp8` rounds the head's linear weights to float8, whose copies the kernels read (`fp8.py`).
 
 Requests own blocks of the shared pool (target and draft pools share block ids: position p of a request
 lives in the same slot in both). Admission waits for free blocks; a decode step that cannot get blocks
@@ -183,13 +183,13 @@ class Engine:
         self.accept_kernels = TORCH_ACCEPT  # the accept phase's bookkeeping
         fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         if fused:
-            from . import kernels
+            from . import kernels, step_kernels
 
             torch.cuda.set_device(self.device)  # Triton launches on the current device
-            draft_kernels = kernels.DRAFT
-            self.verify_greedy, self.follow_targets = kernels.verify_greedy, kernels.follow_targets
-            self.probs_kernels = kernels.PROBS
-            self.accept_kernels = kernels.ACCEPT
+            draft_kernels = step_kernels.DRAFT
+            self.verify_greedy, self.follow_targets = step_kernels.verify_greedy, step_kernels.follow_targets
+            self.probs_kernels = step_kernels.PROBS
+            self.accept_kernels = step_kernels.ACCEPT
         # A speculative step's kernels let the next launch as they end on a target whose matmuls stream tens of µs
         # a call (`kernels.releasing_late`); plain steps' launch at once.
         self.releasing_late = (kernels.releasing_late if fused and target.config.hidden_size >= kernels.ROWS_LONG_MIN_K

@@ -127,7 +127,7 @@ def draw(logits: torch.Tensor, rows: SamplingRows, seeds: torch.Tensor, position
 
 class ProbsKernels(NamedTuple):
     """What `target_probs` computes with: the torch references below (`TORCH_PROBS`), or the Triton kernels that
-    equal them (`eyas.serve.kernels.PROBS`, the engine's on CUDA)."""
+    equal them (`eyas.serve.step_kernels.PROBS`, the engine's on CUDA)."""
 
     softmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     nucleus_floor: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]

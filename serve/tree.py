@@ -52,7 +52,7 @@ class DraftTree:
 
 def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """logits [..., V] -> the k best draft log-probs [..., k] float32 (descending) and their indices [..., k].
-    The reference; on CUDA the drafter uses the two-launch `eyas.serve.kernels.top_log_probs`."""
+    The reference; on CUDA the drafter uses the two-launch `eyas.serve.step_kernels.top_log_probs`."""
     return logits.float().log_softmax(-1).topk(k, dim=-1)
 
 
@@ -74,7 +74,7 @@ def grow_frontier(frontier: Frontier, child_scores: Tensor, child_tokens: Tensor
     """One draft pass's bookkeeping. Each frontier node's top-k children, log-probs and tokens [B, k, k], become
     candidates `start` .. `start + k·k - 1` (row by row) -> their scores and parents [B, k·k] (cumulative
     log-probs; candidate indices), and the next frontier: the k best of them, ties to the first created.
-    The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.grow_frontier`."""
+    The reference; on CUDA the drafter uses the one-launch `eyas.serve.step_kernels.grow_frontier`."""
     B, k = frontier.nodes.shape
     scores = (frontier.scores[:, :, None] + child_scores).flatten(1)  # [B, k·k]
     parents = frontier.nodes[:, :, None].expand(-1, -1, k).flatten(1)
@@ -94,7 +94,7 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, num_draft_token
     """The candidates [B, C] (tokens, scores, parent candidate indices; candidate 0 the root, parents created
     first) -> the tree of the root and the best `num_draft_tokens - 1` others by score, ties to the first created,
     in creation order. `max_depth`: no candidate is deeper (bounds the ancestor walk without a host sync).
-    The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.select_tree`."""
+    The reference; on CUDA the drafter uses the one-launch `eyas.serve.step_kernels.select_tree`."""
     B, C = tokens.shape
     n = min(num_draft_tokens, C)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
@@ -114,7 +114,7 @@ def frontier_inputs(tokens: Tensor, embeddings: Tensor, outputs: Tensor, rows: T
     """A draft pass's inputs for its frontier: the tokens [B, k] (draft indices) -> their embeddings [B, k, H], rows
     of `embeddings` [Vd, H], and each node's parent output [B, k, H], outputs[b, rows[b, j]] of outputs [B, R, H]
     (the last pass's outputs; rows None: every node's is outputs[b, 0], the extension's output before the first
-    pass). The reference; on CUDA the drafter uses the one-launch `eyas.serve.kernels.frontier_inputs`."""
+    pass). The reference; on CUDA the drafter uses the one-launch `eyas.serve.step_kernels.frontier_inputs`."""
     B, k = tokens.shape
     parents = outputs[:, :1].expand(B, k, -1) if rows is None else gather_rows(outputs, rows)
     return F.embedding(tokens, embeddings), parents
@@ -123,7 +123,7 @@ def frontier_inputs(tokens: Tensor, embeddings: Tensor, outputs: Tensor, rows: T
 @dataclass(frozen=True)
 class DraftKernels:
     """What drafting a tree computes besides the head: torch references here, fused kernels on CUDA
-    (`eyas.serve.kernels.DRAFT`)."""
+    (`eyas.serve.step_kernels.DRAFT`)."""
 
     top_log_probs: Callable[[Tensor, int], tuple[Tensor, Tensor]] = top_log_probs
     grow_frontier: Callable[[Frontier, Tensor, Tensor, int], tuple[Tensor, Tensor, Frontier]] = grow_frontier
