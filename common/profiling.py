@@ -50,17 +50,17 @@ def charged_us(work) -> collections.Counter:
     each moves the end of the work before it, so a kernel launched early under programmatic dependent launch is
     charged from where the one before it ended, and overlapped time is charged once."""
     charged = collections.Counter()
-    for e, end, _ in _after_the_work_before(work):
-        charged[e.name] += max(0.0, e.time_range.end - max(end, e.time_range.start))
+    for e, charge, _, _ in _after_the_work_before(work):
+        charged[e.name] += charge
     return charged
 
 
 def _after_the_work_before(work):
-    """Each event of `work` in order of start, with the end of the work before it (-inf for the first) and the event
-    that ended last there (None for the first)."""
+    """Each event of `work` in order of start, with its charge (`charged_us`), the end of the work before it (-inf for
+    the first) and the event that ended last there (None for the first)."""
     end, last = float("-inf"), None
     for e in sorted(work, key=lambda e: e.time_range.start):
-        yield e, end, last
+        yield e, max(0.0, e.time_range.end - max(end, e.time_range.start)), end, last
         if e.time_range.end > end:
             end, last = e.time_range.end, e
 
@@ -82,11 +82,14 @@ def idle_time(kernels, min_gap_us: float = 3.0) -> Idle:
     if not kernels:
         return Idle(0.0, 0.0, [])
     gaps = collections.defaultdict(lambda: [0, 0.0])
-    for e, end, last in _after_the_work_before(kernels):
+    busy, first, finish = 0.0, None, float("-inf")
+    for e, charge, end, last in _after_the_work_before(kernels):
+        busy += charge
+        first = e if first is None else first
+        finish = max(finish, e.time_range.end)
         if last is not None and e.time_range.start - end > min_gap_us:  # the device idled from `end` on
             gap = gaps[last.name, e.name]
             gap[0] += 1
             gap[1] += e.time_range.start - end
-    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
-    return Idle(span, sum(charged_us(kernels).values()),
+    return Idle(finish - first.time_range.start, busy,
                 sorted(((a, b, n, us) for (a, b), (n, us) in gaps.items()), key=lambda g: -g[3]))

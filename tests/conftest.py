@@ -81,3 +81,13 @@ def smollm2_tokenizer():
     from eyas.data.tokenizer import load_tokenizer
 
     return load_tokenizer(asset_path("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """Runs a test module's CPU cases of Triton kernels under Triton's interpreter, in one spawned worker for the
+    module (`tests/triton_interpreter.py`)."""
+    from tests import triton_interpreter  # needs triton: only the modules that take this fixture import it
+
+    with triton_interpreter.worker() as run:
+        yield run

@@ -2,12 +2,7 @@
 
 Triton picks the interpreter when a kernel is defined (module import, TRITON_INTERPRET=1), and another test
 module may already have imported the kernels in this process, so CPU cases of Triton kernels run in one worker
-spawned with the flag set. A test module uses it as a fixture:
-
-    @pytest.fixture(scope="module")
-    def interpreter():
-        with triton_interpreter.worker() as run:
-            yield run
+spawned with the flag set. A test takes it as the `interpreter` fixture (tests/conftest.py, one worker a module):
 
     def test_x(interpreter):
         interpreter(check, case, "cpu")   # check(case, "cpu") in the worker; its exceptions re-raised here

@@ -353,12 +353,6 @@ def test_model_cuda_graph(hf_checkpoint):
 
 
 # --- CPU: Triton's interpreter, small shapes ---
-@pytest.fixture(scope="module")
-def interpreter():
-    with triton_interpreter.worker() as run:
-        yield run
-
-
 HALVES = [torch.float32, torch.float16]
 RMS_CPU = [(1, 576, False, None, False), (7, 96, False, None, True), (33, 128, True, None, True),
            (5, 64, True, torch.float32, False)]  # rows, n, sliced, weight_dtype, unit

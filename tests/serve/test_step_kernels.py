@@ -299,12 +299,6 @@ def test_move_path_cuda(case):
 
 
 # --- CPU: Triton's interpreter, small shapes ---
-@pytest.fixture(scope="module")
-def interpreter():
-    with triton_interpreter.worker() as run:
-        yield run
-
-
 @pytest.mark.parametrize("case", [((2, 3, 4100), 4, False), ((1, 70), 8, False), ((5, 2048), 3, True),
                                   ((2, 3000), 1, True)], ids=str)
 def test_top_log_probs_interpreter(interpreter, case):

@@ -74,12 +74,6 @@ CPU_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def interpreter():
-    with triton_interpreter.worker() as run:
-        yield run
-
-
 @pytest.mark.parametrize("case", CPU_CASES, ids=case_id)
 def test_matches_torch_in_interpreter(interpreter, case):
     interpreter(check, case, "cpu")

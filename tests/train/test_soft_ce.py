@@ -8,7 +8,6 @@ import torch
 pytest.importorskip("triton")
 
 from eyas.train.ttt import soft_cross_entropy  # noqa: E402
-from tests import triton_interpreter  # noqa: E402
 
 
 def check_soft_ce(device: str, dtype: torch.dtype, B: int, N: int, V: int):
@@ -39,12 +38,6 @@ def check_soft_ce(device: str, dtype: torch.dtype, B: int, N: int, V: int):
     assert torch.equal(got[1], want[1]) and int(got[1][0, 0]) == tie[0]
     rtol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(got[2], want[2], rtol=rtol, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    with triton_interpreter.worker() as run:
-        yield run
 
 
 @pytest.mark.parametrize("B, N, V", [(2, 3, 300), (1, 2, 5000)], ids=str)  # under and over one loop of columns
