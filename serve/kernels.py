@@ -391,7 +391,8 @@ def with_fp8(table: Fp8Weights) -> Kernels:
 
 
 ROWS_MAX = 64  # more rows: cuBLAS
-ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies of large weights, and makes long calls
+ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies of large weights, and makes long calls; past it
+# small weights take narrow tiles (`rows_launch`)
 ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weight of an 8B head; of SmolLM2's, its
 # lm_head alone (K = 576: never a long call)
 # bf16/fp16 weights of up to ROWS_MAX_WEIGHT entries go to the kernel, and those of up to ROWS_LONG_MAX_WEIGHT in its
@@ -538,6 +539,10 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
     WHOLE_SM_LAUNCHES gives for their tile of rows: 32 weight rows where their tiles fit one wave, else 64 (an 8B
     target's q/k/v: 192 tiles of 32 on 132 SMs), and through SiLU·mul 64 rows of each half. Where a program may not ask
     that much, a long call through SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB; four programs an SM).
+    A small weight past ROWS_FEW rows (SmolLM2's verification) waits on its loads' latency, not its bytes: 16 weight
+    rows a program in chunks of 64 with 6 stages, twice the programs, each with more of its K in flight (at 64 rows
+    on an H100: q/k/v 2.88 against 3.26 µs at (32, 128, 4), gate/up 3.99 against 4.96, down split three ways 3.86
+    against 4.59; the (8, 8, 64) step 1.29 against 1.33-1.34 ms: docs/perf.md, fifty-fourth entry).
     Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a program
     1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
@@ -550,8 +555,10 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
         block_n, block_k, stages = through_silu if silu_mul else one_wave if triton.cdiv(N_out, 32) <= on.sms else other
     elif silu_mul and long_call(M, N, K):
         block_n, block_k, stages = 64, 64, 4
+    elif M > ROWS_FEW and N * K < ROWS_LARGE_WEIGHT:
+        block_n, block_k, stages = 16, 64, 6
     else:
-        block_n, block_k, stages = 32, 256 if M <= 16 and K >= 2048 else 128, 4
+        block_n, block_k, stages = 32, 256 if M <= ROWS_FEW and K >= 2048 else 128, 4
     return RowsLaunch(block_n, block_k, stages, 4,
                       rows_splits(triton.cdiv(N_out, block_n), triton.cdiv(K, block_k), False))
 
@@ -619,6 +626,7 @@ def reads_fp8_rows(M: int, N: int, K: int) -> bool:
 SPLIT_MAX_TILES = 512  # the arrival counters' length: the most tiles any split launch may have (linear_bench's
 # grid; the served splits reach FP8_SPLIT_MAX_TILES at most)
 FP8_SPLIT_MAX_TILES = 128  # the most tiles whose K `rows_splits` splits where they read float8 copies
+SPLIT_PROGRAMS = 108  # about the most programs `rows_splits` makes of a bf16 weight's few tiles
 
 
 def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
@@ -626,12 +634,13 @@ def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     Converting float8 weights bounds a program, so narrow ones gain from more programs: four on up to
     FP8_SPLIT_MAX_TILES tiles (an 8B head's q/k/v, o, down and fc at 4 and 8 rows); its gate/up (224 tiles of 64
     columns) is fastest unsplit (35 against 46 µs with four: docs/perf.md, thirty-fifth entry). In bf16
-    only a long K over few tiles gains (SmolLM2's down, 576 x 1536: 2.9 against 4.4 µs with six); elsewhere the
-    sums' round trip costs more than the extra programs give."""
+    only a long K over few tiles gains, up to about SPLIT_PROGRAMS programs (SmolLM2's down, 576 x 1536: 2.9 against
+    4.4 µs with six of its 18 tiles of 32 at 8 rows; at 64 rows three of its 36 tiles of 16, 3.86 against 4.77 µs
+    unsplit); elsewhere the sums' round trip costs more than the extra programs give."""
     if float8:
         splits = min(4, chunks) if tiles <= FP8_SPLIT_MAX_TILES else 1
     else:
-        splits = min(6, chunks // 2) if tiles <= 32 and chunks >= 8 else 1
+        splits = min(6, chunks // 2, SPLIT_PROGRAMS // tiles) if tiles <= 64 and chunks >= 12 else 1
     return equal_runs(chunks, splits)
 
 

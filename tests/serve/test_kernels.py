@@ -604,6 +604,20 @@ def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_shar
     assert given_served["BLOCK_N"] == served["BLOCK_N"] and given_served["num_stages"] == served["num_stages"]
 
 
+def test_small_weights_past_few_rows_take_narrow_tiles_deeply_pipelined():
+    """A small weight's verification call waits on its loads' latency (`rows_launch`): past ROWS_FEW rows SmolLM2's
+    weights take 16 columns a program in chunks of 64 with 6 stages, its down (36 such tiles over 24 chunks) split
+    three ways; at a draft pass's 8 rows, and for large weights, the launches are as before."""
+    smollm2 = [(960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False)]  # q/k/v, o, gate/up, down
+    for rows in (17, 48, 64):
+        launches = [kernels.rows_launch(rows, N_out, K, False, silu) for N_out, K, silu in smollm2]
+        assert {launch[:4] for launch in launches} == {(16, 64, 6, 4)}
+        assert [launch.splits for launch in launches] == [1, 1, 1, 3]
+    assert kernels.rows_launch(16, 960, 576, False, False) == (32, 128, 4, 4, 1)
+    assert kernels.rows_launch(8, 576, 1536, False, False) == (32, 128, 4, 4, 6)
+    assert kernels.rows_launch(48, 4096, 4096, False, False, kernels.Gpu(132, 99 << 10)) == (32, 128, 4, 4, 1)
+
+
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
     """Every split tile has an arrival counter, and each of a tile's programs sums at least one chunk of K: the K
     runs are equal whole chunks, the last possibly shorter."""
@@ -695,8 +709,8 @@ def _fp8_scales_rolled(x, weight, bias=None, *, fp8, **extra):
 
 
 def _rows_split_finished_early(x, weight, bias=None, **extra):
-    """A tile's count starting at 1 (a count left over, or a program counted twice): its second of three programs
-    finishes it before the third's sums are in."""
+    """A tile's count starting at 1 (a count left over, or a program counted twice): its next-to-last program (of five)
+    finishes it before the last one's sums are in."""
     counters = kernels._split_counters(x.device)
     counters.fill_(1)
     try:
@@ -720,7 +734,7 @@ def _rows_split_finished_early(x, weight, bias=None, **extra):
                           _linear_without_residual)),
     (check_fused_linear, ("cpu", torch.float32, 1, 40, 300, True, False, True, True, True, _linear_ignoring_fp8)),
     (check_fused_linear, ("cpu", torch.float16, 3, 512, 32768, False, False, True, False, True, _fp8_scales_rolled)),
-    (check_fused_linear, ("cpu", torch.float16, 4, 40, 1100, False, False, True, False, False,
+    (check_fused_linear, ("cpu", torch.float16, 4, 40, 1600, False, False, True, False, False,
                           _rows_split_finished_early)),
     (check_rotary, ("cpu", torch.float32, 2, 5, 4, 2, 128, True, _rotary_sin_negated)),
     (check_rotary_store, ("cpu", torch.float32, 2, 5, 4, 2, 128, _store_k_unrotated)),
