@@ -570,9 +570,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     benchmark sweeps them, a long call given one placed as one that shares SMs): tensor cores, under programmatic
     dependent launch but for long calls that share SMs where kernels release early (`long_call`; at their served
     launch, long calls on bf16 weights hold whole SMs and release the next kernel early: `whole_sm_call`), the first
-    weights loaded before waiting on the kernel before, SiLU·mul of the output's halves (`silu_mul_output`, a joint
-    gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the epilogue,
-    reading the float8 copy `quantized` where given.
+    weights loaded before waiting on the kernel before (and, of a small weight, the rest asked of L2: `l2_prefetch`),
+    SiLU·mul of the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul`
+    take two) and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
     Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
     through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an
     unsplit launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A
@@ -608,10 +608,23 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         counters, M, N_out, K, rows.stride(0), res.stride(0), norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
+        PREFETCH=l2_prefetch(N, K, splits, block_k, float8, placement),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device, placement),
     )
     return out
+
+
+def l2_prefetch(N: int, K: int, splits: int, block_k: int, float8: bool, placement: Placement) -> int:
+    """How many inputs of each of its weight rows a `rows_kernel` program asks L2 for before waiting on the kernel
+    before (a power of two, at least its run of K; 0: none): all of them for a small bf16/fp16 weight's short call,
+    whose loads after the wait then come from L2 (the one-token kernel loads such a weight's whole rows before its
+    wait); none for large weights, whose streams the wait does not hold up. SmolLM2's calls at 64 rows took 2.46-3.79
+    against 2.78-3.99 µs a call, at 8 rows 2.20-2.97 against 2.55-3.67, and its (8, 8, 64) step 1.27 against 1.29 ms
+    (one H100: docs/perf.md, fifty-fourth entry)."""
+    if float8 or placement is not Placement.SHORT or N * K >= ROWS_LARGE_WEIGHT:
+        return 0
+    return max(64, triton.next_power_of_2(triton.cdiv(triton.cdiv(K, block_k), splits) * block_k))
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
@@ -666,7 +679,8 @@ def _split_counters(device: torch.device) -> Tensor:
 def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K,
                         stride_x, stride_res, eps, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
@@ -695,6 +709,10 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     ok = n_ok[:, None] & (kk < end)[None, :]
     w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
     w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok & SILU_MUL, other=0.0)
+    if PREFETCH:  # and the rest of its weights into L2, so that after the wait the loop's loads wait on L2, not DRAM
+        _weights_to_l2(w_rows, begin, end, PREFETCH)
+        if SILU_MUL:
+            _weights_to_l2(w_rows + N * K, begin, end, PREFETCH)
     follow(PDL)
     res = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)  # HAS_RESIDUAL only: loaded before the loop (added
     if HAS_RESIDUAL:  # after it, an 8B target's o took 0.5 µs more a call at 8 rows; docs/perf.md, thirty-third entry)
@@ -741,6 +759,17 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
             tl.store(counters_ptr + tile, 0)
             _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_SCALE,
                            SILU_MUL, HAS_RESIDUAL)
+
+
+@jit
+def _weights_to_l2(w_rows, begin, end, SPAN: tl.constexpr):
+    """Asks L2 for the 2-byte weights w_rows [BLOCK_N, 1] + [begin, end), a 128-byte line at a time, without waiting
+    for them or holding them in registers (`prefetch.global.L2`; nothing under the interpreter). SPAN: a power of two
+    at least end - begin; the lines past `end` ask for its last one again."""
+    if COMPILED:
+        lines = tl.minimum(begin + tl.arange(0, SPAN // 64) * 64, end - 1)  # a line's first weight [SPAN / 64]
+        tl.inline_asm_elementwise("mov.b32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [w_rows + lines[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @jit

@@ -618,6 +618,18 @@ def test_small_weights_past_few_rows_take_narrow_tiles_deeply_pipelined():
     assert kernels.rows_launch(48, 4096, 4096, False, False, kernels.Gpu(132, 99 << 10)) == (32, 128, 4, 4, 1)
 
 
+def test_short_calls_of_small_weights_ask_l2_for_all_their_weights():
+    """Before its wait a short call's program asks L2 for its whole run of K of a small bf16/fp16 weight (a power of
+    two at least that run); large weights, float8 copies and calls placed otherwise ask for none."""
+    short, whole_sm, shares = kernels.Placement.SHORT, kernels.Placement.WHOLE_SM, kernels.Placement.SHARES_SM
+    assert kernels.l2_prefetch(960, 576, 1, 64, False, short) == 1024
+    assert kernels.l2_prefetch(576, 1536, 3, 64, False, short) == 512  # 8 of its 24 chunks of 64
+    assert kernels.l2_prefetch(40, 100, 1, 32, False, short) == 128
+    assert kernels.l2_prefetch(4096, 4096, 1, 128, False, short) == 0
+    assert kernels.l2_prefetch(960, 576, 1, 64, True, short) == 0
+    assert [kernels.l2_prefetch(960, 576, 1, 64, False, p) for p in (whole_sm, shares)] == [0, 0]
+
+
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
     """Every split tile has an arrival counter, and each of a tile's programs sums at least one chunk of K: the K
     runs are equal whole chunks, the last possibly shorter."""
@@ -761,7 +773,8 @@ def test_every_kernel_waits_for_the_one_before():
     """Under programmatic dependent launch (`launch_options`, Hopper on) a kernel may start before the one before
     it has finished, so each must call `follow(PDL)` before it touches memory: one that did not could read inputs not
     yet written, or overwrite memory still being read. The linear kernels load their first weights before it (no
-    kernel writes weights), and neither read nor write anything else before it. Off CUDA the option is off."""
+    kernel writes weights; the few-rows kernel also asks L2 for the rest), and neither read nor write anything else
+    before it. Off CUDA the option is off."""
     from triton.runtime.jit import JITFunction
 
     from eyas.serve import step_kernels
@@ -780,7 +793,8 @@ def test_every_kernel_waits_for_the_one_before():
         if name in ("_fused_linear_kernel", "_rows_matmul_kernel"):
             early = " ".join(before)
             assert "store" not in early and "atomic" not in early, f"{name} writes before follow"
-            assert set(re.findall(r"tl\.load\((\w+)", early)) == {"rows" if "fused" in name else "w_rows"}, \
+            weights = {"rows" if "fused" in name else "w_rows"}
+            assert set(re.findall(r"(?:tl\.load|_weights_to_l2)\((\w+)", early)) == weights, \
                 f"{name} reads more than its weights before follow"
         else:
             assert not before, f"{name} starts with {before[0]!r}"
