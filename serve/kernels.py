@@ -702,7 +702,8 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     begin = split * run
     end = tl.minimum(begin + run, K)
     n_ok, m_ok = n < N, m < M
-    w_rows = w_ptr + n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
+    # [BLOCK_N, 1]; rows past N (masked off) at row N - 1, so that no address, not even a prefetch's, leaves w
+    w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * K
     x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
     # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
     kk = begin + k
