@@ -608,21 +608,21 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         counters, M, N_out, K, rows.stride(0), res.stride(0), norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
-        PREFETCH=l2_prefetch(N, K, splits, block_k, float8, placement),
+        PREFETCH=l2_prefetch(N, K, splits, block_k, float8),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device, placement),
     )
     return out
 
 
-def l2_prefetch(N: int, K: int, splits: int, block_k: int, float8: bool, placement: Placement) -> int:
+def l2_prefetch(N: int, K: int, splits: int, block_k: int, float8: bool) -> int:
     """How many inputs of each of its weight rows a `rows_kernel` program asks L2 for before waiting on the kernel
-    before (a power of two, at least its run of K; 0: none): all of them for a small bf16/fp16 weight's short call,
-    whose loads after the wait then come from L2 (the one-token kernel loads such a weight's whole rows before its
-    wait); none for large weights, whose streams the wait does not hold up. SmolLM2's calls at 64 rows took 2.46-3.79
-    against 2.78-3.99 µs a call, at 8 rows 2.20-2.97 against 2.55-3.67, and its (8, 8, 64) step 1.27 against 1.29 ms
-    (one H100: docs/perf.md, fifty-fourth entry)."""
-    if float8 or placement is not Placement.SHORT or N * K >= ROWS_LARGE_WEIGHT:
+    before (a power of two, at least its run of K; 0: none): all of them for a small bf16/fp16 weight (whose calls
+    are short ones, never long or whole-SM), whose loads after the wait then come from L2 (the one-token kernel loads
+    such a weight's whole rows before its wait); none for large weights, whose streams the wait does not hold up.
+    SmolLM2's calls at 64 rows took 2.46-3.79 against 2.78-3.99 µs a call, at 8 rows 2.20-2.97 against 2.55-3.67,
+    and its (8, 8, 64) step 1.27 against 1.29 ms (one H100: docs/perf.md, fifty-fourth entry)."""
+    if float8 or N * K >= ROWS_LARGE_WEIGHT:
         return 0
     return max(64, triton.next_power_of_2(triton.cdiv(triton.cdiv(K, block_k), splits) * block_k))
 
@@ -649,7 +649,7 @@ def rows_splits(tiles: int, chunks: int, float8: bool) -> int:
     columns) is fastest unsplit (35 against 46 µs with four: docs/perf.md, thirty-fifth entry). In bf16
     only a long K over few tiles gains, up to about SPLIT_PROGRAMS programs (SmolLM2's down, 576 x 1536: 2.9 against
     4.4 µs with six of its 18 tiles of 32 at 8 rows; at 64 rows three of its 36 tiles of 16, 3.86 against 4.77 µs
-    unsplit); elsewhere the sums' round trip costs more than the extra programs give."""
+    unsplit in the sweep before); elsewhere the sums' round trip costs more than the extra programs give."""
     if float8:
         splits = min(4, chunks) if tiles <= FP8_SPLIT_MAX_TILES else 1
     else:

@@ -619,15 +619,23 @@ def test_small_weights_past_few_rows_take_narrow_tiles_deeply_pipelined():
 
 
 def test_short_calls_of_small_weights_ask_l2_for_all_their_weights():
-    """Before its wait a short call's program asks L2 for its whole run of K of a small bf16/fp16 weight (a power of
-    two at least that run); large weights, float8 copies and calls placed otherwise ask for none."""
-    short, whole_sm, shares = kernels.Placement.SHORT, kernels.Placement.WHOLE_SM, kernels.Placement.SHARES_SM
-    assert kernels.l2_prefetch(960, 576, 1, 64, False, short) == 1024
-    assert kernels.l2_prefetch(576, 1536, 3, 64, False, short) == 512  # 8 of its 24 chunks of 64
-    assert kernels.l2_prefetch(40, 100, 1, 32, False, short) == 128
-    assert kernels.l2_prefetch(4096, 4096, 1, 128, False, short) == 0
-    assert kernels.l2_prefetch(960, 576, 1, 64, True, short) == 0
-    assert [kernels.l2_prefetch(960, 576, 1, 64, False, p) for p in (whole_sm, shares)] == [0, 0]
+    """Before its wait a program asks L2 for its whole run of K of a small bf16/fp16 weight (a power of two at least
+    that run); large weights, float8 copies, and so the long and whole-SM calls, ask for none: as launched, too."""
+    from eyas.serve import hopper_compile, linear_bench
+
+    assert kernels.l2_prefetch(960, 576, 1, 64, False) == 1024
+    assert kernels.l2_prefetch(576, 1536, 3, 64, False) == 512  # 8 of its 24 chunks of 64
+    assert kernels.l2_prefetch(40, 100, 1, 32, False) == 128
+    assert kernels.l2_prefetch(4096, 4096, 1, 128, False) == 0
+    assert kernels.l2_prefetch(960, 576, 1, 64, True) == 0
+
+    def launched(N, K, rows):  # rows_kernel's PREFETCH, its launch recorded on meta tensors
+        x, weight, _ = linear_bench.meta_operands(N, K, rows, False)
+        (launch,) = hopper_compile.recorded_launches(lambda: kernels.rows_kernel(x, weight))
+        return dict(launch.constexprs)["PREFETCH"]
+
+    assert kernels.whole_sm_call(48, 4096, 4096, False) and kernels.long_call(8, 6144, 4096)
+    assert [launched(960, 576, 64), launched(4096, 4096, 48), launched(6144, 4096, 8)] == [1024, 0, 0]
 
 
 def test_rows_splits_fit_the_counters_and_leave_no_run_empty():
