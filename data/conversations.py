@@ -6,7 +6,8 @@
     print(report.summary())  # "...: 17545 conversations from 17671 records; skipped 126 ...; file ended mid-record"
 
 Files are recognised by content: a JSON array (ShareGPT's layout), JSON lines, or one record spread over lines
-(a single pretty-printed conversation). Each record's layout is recognised by its keys (or forced with `format=`):
+(a single pretty-printed conversation); one named *.gz, *.bz2, *.xz or *.lzma is read decompressed. Each record's
+layout is recognised by its keys (or forced with `format=`):
   "sharegpt":  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}  (or role/content turns)
   "messages":  {"messages": [{"role", "content"}, ...]}   OpenAI chat JSONL (content a string or text parts),
                                                            HF ultrachat_200k rows
@@ -19,10 +20,13 @@ or text after its closing bracket, is a `ConversationError` either way: no recor
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import gzip
 import io
 import json
 import logging
+import lzma
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,9 +100,7 @@ def read_placed_conversations(
     path = Path(path)
     report = report if report is not None else ReadReport()
     report.path = str(path)
-    with open(path, "rb") as f:
-        data = f.read(max_bytes if max_bytes is not None else -1)
-        cut = bool(f.read(1))  # the read stopped inside the file
+    data, cut = _read_bytes(path, max_bytes)
     # A read cut inside the file may split a multi-byte character at its end: the decoder keeps that one back (not
     # final), and only that one. A byte-order mark is not data.
     try:
@@ -139,6 +141,32 @@ def read_placed_conversations(
 
 
 _CUT = object()  # in place of a record: the file (or the part read) ended inside it
+
+# Compressed conversation files, by suffix: read decompressed (`max_bytes` counts decompressed bytes).
+DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".lzma": lzma.open}
+
+
+def _read_bytes(path: Path, max_bytes: int | None) -> tuple[bytes, bool]:
+    """The file's (decompressed) bytes, up to `max_bytes`, and whether the read stopped inside the file: at
+    `max_bytes`, or where a compressed stream was cut short (a partial download), which reads as a truncated file:
+    its complete records are kept, but for the last 64 KiB decompressed (a bz2 file's last block)."""
+    opener = DECOMPRESSORS.get(path.suffix.lower(), open)
+    chunks, size, chunk = [], 0, 1 << 16  # small: a cut stream loses the chunk it was decompressing
+    try:
+        with opener(path, "rb") as f:
+            while max_bytes is None or size < max_bytes:
+                part = f.read(chunk if max_bytes is None else min(chunk, max_bytes - size))
+                if not part:
+                    return b"".join(chunks), False
+                chunks.append(part)
+                size += len(part)
+            return b"".join(chunks), bool(f.read(1))
+    except EOFError:  # the stream ends before its end marker
+        return b"".join(chunks), True
+    except (OSError, lzma.LZMAError) as e:
+        if opener is open:
+            raise
+        raise ConversationError(f"{path}: not a readable {path.suffix} file ({e})") from None
 
 
 class _MalformedJSON(ValueError):

@@ -1,6 +1,9 @@
 """Conversation readers: every format normalizes alike; bad records are skipped and reported, or raise."""
 
+import bz2
+import gzip
 import json
+import lzma
 import re
 
 import pytest
@@ -148,6 +151,28 @@ def test_jsonl_cut_by_max_bytes(tmp_path):
         read(path, max_bytes=len(text) - 5, strict=True)
     convs, report = read(path, max_bytes=text.index("\n") + 1)
     assert len(convs) == 1 and not report.truncated and not report.skipped
+
+
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
+def test_compressed_files_read_as_their_text(tmp_path, suffix, compress):
+    """A compressed file reads as its text does; one cut short (a partial download) keeps its complete records and
+    reads as truncated; one that is not what its suffix says raises, naming the file. Past a bz2 block of 900 kB,
+    so that a cut stream still holds a whole block."""
+    n = 12000
+    text = "".join(json.dumps({"messages": CHAT[:2] + [{"role": "assistant", "content": f"#{i}"}]}) + "\n"
+                   for i in range(n))
+    plain, _ = read(write(tmp_path / "chats.jsonl", text))
+    packed = compress(text.encode())
+    (tmp_path / f"chats.jsonl{suffix}").write_bytes(packed)
+    convs, report = read(tmp_path / f"chats.jsonl{suffix}")
+    assert convs == plain and len(convs) == n and not report.truncated
+    convs, report = read(tmp_path / f"chats.jsonl{suffix}", max_bytes=len(text) - 5)
+    assert convs == plain[:-1] and report.truncated
+    (tmp_path / f"cut.jsonl{suffix}").write_bytes(packed[: len(packed) * 4 // 5])
+    convs, report = read(tmp_path / f"cut.jsonl{suffix}")
+    assert 0 < len(convs) < n and convs == plain[: len(convs)] and report.truncated and not report.skipped
+    with pytest.raises(ConversationError, match=rf"junk\.jsonl\{suffix}: not a readable \{suffix} file"):
+        read(write(tmp_path / f"junk.jsonl{suffix}", text))
 
 
 def test_null_records_are_bad_records_not_the_end_of_the_file(tmp_path):
