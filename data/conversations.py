@@ -150,10 +150,11 @@ def _read_bytes(path: Path, max_bytes: int | None) -> tuple[bytes, bool]:
     """The file's (decompressed) bytes, up to `max_bytes`, and whether the read stopped inside the file: at
     `max_bytes`, or where a compressed stream was cut short (a partial download), which reads as a truncated file:
     its complete records are kept, but for the last 64 KiB decompressed (a bz2 file's last block)."""
-    opener = DECOMPRESSORS.get(path.suffix.lower(), open)
+    decompress = DECOMPRESSORS.get(path.suffix.lower())
     chunks, size, chunk = [], 0, 1 << 16  # small: a cut stream loses the chunk it was decompressing
-    try:
-        with opener(path, "rb") as f:
+    with open(path, "rb") as raw:  # a missing or unreadable file raises as it is
+        f = decompress(raw, "rb") if decompress else raw
+        try:
             while max_bytes is None or size < max_bytes:
                 part = f.read(chunk if max_bytes is None else min(chunk, max_bytes - size))
                 if not part:
@@ -161,12 +162,12 @@ def _read_bytes(path: Path, max_bytes: int | None) -> tuple[bytes, bool]:
                 chunks.append(part)
                 size += len(part)
             return b"".join(chunks), bool(f.read(1))
-    except EOFError:  # the stream ends before its end marker
-        return b"".join(chunks), True
-    except (OSError, lzma.LZMAError) as e:
-        if opener is open:
-            raise
-        raise ConversationError(f"{path}: not a readable {path.suffix} file ({e})") from None
+        except EOFError:  # the stream ends before its end marker
+            return b"".join(chunks), True
+        except (OSError, lzma.LZMAError) as e:
+            if not decompress:
+                raise
+            raise ConversationError(f"{path}: not a readable {path.suffix} file ({e})") from None
 
 
 class _MalformedJSON(ValueError):

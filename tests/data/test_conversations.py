@@ -173,6 +173,8 @@ def test_compressed_files_read_as_their_text(tmp_path, suffix, compress):
     assert 0 < len(convs) < n and convs == plain[: len(convs)] and report.truncated and not report.skipped
     with pytest.raises(ConversationError, match=rf"junk\.jsonl\{suffix}: not a readable \{suffix} file"):
         read(write(tmp_path / f"junk.jsonl{suffix}", text))
+    with pytest.raises(FileNotFoundError):
+        read(tmp_path / f"missing.jsonl{suffix}")
 
 
 def test_null_records_are_bad_records_not_the_end_of_the_file(tmp_path):
