@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from eyas.common.assets import resolve_asset, resolve_asset_argument
 from eyas.common.cli import HelpFormatter
-from eyas.data.conversations import Conversation, ConversationError, read_placed_conversations
+from eyas.data.conversations import DECOMPRESSORS, Conversation, ConversationError, read_placed_conversations
 
 from .clients import Client, EndpointClient, EndpointError, EngineClient
 from .commands import (
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eyas.serve.regenerate", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--data", required=True, help="conversation file, or a packaged data set (sharegpt)")
+    parser.add_argument("--data", required=True,
+                        help="conversation file (.gz, .bz2 or .xz too), or a packaged data set (sharegpt)")
     parser.add_argument("--output", type=Path, required=True, help="JSONL to write (resumed if it exists)")
     parser.add_argument("--target", help="HF directory, .gguf file or packaged model name (in-process)")
     parser.add_argument("--endpoint", help="an OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         refuse_unread(parser, given, ("model",), "--target answers in-process")
     require_positive(parser, args, "batch_size", "max_new_tokens", "max_prompt_tokens", "limit")
     require_output_dirs(parser, args, "output")
+    if args.output.suffix.lower() in DECOMPRESSORS:  # readers would take its plain lines for a compressed stream
+        parser.error(f"--output {args.output}: regeneration appends plain JSONL lines; name it .jsonl and compress it "
+                     "when it is done (the readers take .gz, .bz2 and .xz files)")
     data = resolve_asset_argument(parser, "--data", args.data)  # before the target loads
     try:  # so are a file the reader cannot read (not UTF-8, a directory) and a damaged or another file's output
         todo, done, read = pending(data, args.output, args.limit, args.shard)

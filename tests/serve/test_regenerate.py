@@ -1,5 +1,6 @@
 """Regeneration rewrites assistant turns in order, keeps conversations in flight independently, and resumes."""
 
+import gzip
 import json
 
 import pytest
@@ -199,6 +200,18 @@ def test_data_without_a_conversation_is_a_usage_error_before_the_target_loads(tm
     with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
         regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "out.jsonl"), "--target", "unused"])
     assert stopped.value.code == 2 and "--data" in (err := capsys.readouterr().err) and words in err
+
+
+def test_a_compressed_output_name_is_a_usage_error(tmp_path, capsys):
+    """Regeneration appends plain lines: an output named .gz would then be unreadable to every reader (which
+    decompresses by suffix), so it is refused before anything is read or loaded; compressed data files are read."""
+    data = tmp_path / "in.jsonl.gz"
+    data.write_bytes(gzip.compress((json.dumps({"messages": conv("q", "a")}) + "\n").encode()))
+    with pytest.raises(SystemExit) as stopped:  # the target "unused" would raise FileNotFoundError if loaded
+        regenerate_module.main(["--data", str(data), "--output", str(tmp_path / "out.jsonl.gz"), "--target", "unused"])
+    assert stopped.value.code == 2 and "--output" in (err := capsys.readouterr().err) and "plain JSONL" in err
+    todo, done, read = regenerate_module.pending(data, tmp_path / "out.jsonl")
+    assert len(todo) == 1 and not done
 
 
 def test_a_finished_output_loads_no_model(tmp_path, capsys):
