@@ -147,27 +147,32 @@ DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".lzma": 
 
 
 def _read_bytes(path: Path, max_bytes: int | None) -> tuple[bytes, bool]:
-    """The file's (decompressed) bytes, up to `max_bytes`, and whether the read stopped inside the file: at
-    `max_bytes`, or where a compressed stream was cut short (a partial download), which reads as a truncated file:
-    its complete records are kept, but for the last 64 KiB decompressed (a bz2 file's last block)."""
+    """The file's (decompressed) bytes, up to `max_bytes`, and whether the read stopped inside the file."""
     decompress = DECOMPRESSORS.get(path.suffix.lower())
-    chunks, size, chunk = [], 0, 1 << 16  # small: a cut stream loses the chunk it was decompressing
-    with open(path, "rb") as raw:  # a missing or unreadable file raises as it is
-        f = decompress(raw, "rb") if decompress else raw
+    with open(path, "rb") as f:  # a missing or unreadable file raises as it is
+        if decompress is None:
+            return f.read(max_bytes if max_bytes is not None else -1), bool(f.read(1))
         try:
-            while max_bytes is None or size < max_bytes:
-                part = f.read(chunk if max_bytes is None else min(chunk, max_bytes - size))
-                if not part:
-                    return b"".join(chunks), False
-                chunks.append(part)
-                size += len(part)
-            return b"".join(chunks), bool(f.read(1))
-        except EOFError:  # the stream ends before its end marker
-            return b"".join(chunks), True
+            return _decompressed(decompress(f, "rb"), max_bytes)
         except (OSError, lzma.LZMAError) as e:
-            if not decompress:
-                raise
             raise ConversationError(f"{path}: not a readable {path.suffix} file ({e})") from None
+
+
+def _decompressed(stream, max_bytes: int | None, chunk: int = 1 << 16) -> tuple[bytes, bool]:
+    """`_read_bytes` of a decompressing `stream`, read a `chunk` at a time: a stream cut short (a partial download)
+    reads as a truncated file, its complete records kept but for those in the chunk being decompressed (or a bz2
+    file's last block), which the EOFError takes with it."""
+    chunks, size = [], 0
+    try:
+        while max_bytes is None or size < max_bytes:
+            part = stream.read(chunk if max_bytes is None else min(chunk, max_bytes - size))
+            if not part:
+                return b"".join(chunks), False
+            chunks.append(part)
+            size += len(part)
+        return b"".join(chunks), bool(stream.read(1))
+    except EOFError:  # the stream ends before its end marker
+        return b"".join(chunks), True
 
 
 class _MalformedJSON(ValueError):
