@@ -67,8 +67,18 @@ def training_kernels(device: torch.device) -> Kernels:
     return _COMPILED_KERNELS if device.type == "cuda" else Kernels()
 
 
-_COMPILED_KERNELS = Kernels(**{f.name: torch.compile(getattr(Kernels(), f.name), dynamic=True)
-                               for f in dataclasses.fields(Kernels)})
+def compiled_kernels(backend: str = "inductor") -> Kernels:
+    """`Kernels` whose functions are each compiled once for all lengths (tests compile them with `backend` "eager")."""
+    return Kernels(**{f.name: torch.compile(getattr(Kernels(), f.name), dynamic=True, backend=backend)
+                      for f in dataclasses.fields(Kernels)})
+
+
+_COMPILED_KERNELS = compiled_kernels()
+# A compiled function keeps a graph per variant of its calls. `Kernels.linear` serves the head's fc, o, down and
+# lm_head (each its own K and flags), on batches of one row or more (dynamo specializes a size of 1), in training and
+# in evaluation (grad mode): 16 variants, past dynamo's default of 8 graphs a function, after which each new variant
+# ran eagerly for the rest of the run (every SmolLM2 leg's log in the fifty-fifth and fifty-sixth sessions shows it).
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
 
 # Compiled once for all lengths; the FlexAttention kernel skips the fully masked blocks, so step i costs about a

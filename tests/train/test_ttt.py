@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from eyas.common.attention import CausalAttention, MaskedAttention, causal_mask
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
@@ -16,6 +17,7 @@ from eyas.common.target import TargetOutput
 from eyas.train.ttt import (
     TTTAttention,
     acceptance_length,
+    compiled_kernels,
     soft_cross_entropy,
     training_kernels,
     ttt_loss,
@@ -289,6 +291,23 @@ def test_cuda_loss_equals_cpu(embed, T):
         torch.testing.assert_close(getattr(cuda, field).cpu(), getattr(cpu, field), rtol=1e-4, atol=1e-4)
     for name, grad in cpu_grads.items():
         torch.testing.assert_close(cuda_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_compiled_kernels_keep_a_graph_for_every_variant_of_training_and_evaluation(embed):
+    """The head's linears (fc, o, down, lm_head) on batches of one row and of two, with and without gradients, are
+    16 variants of `Kernels.linear`: each keeps a compiled graph (past dynamo's default limit of 8, a further
+    variant would run eagerly). Compiled with dynamo's eager backend: the same graphs, without inductor's code."""
+    torch._dynamo.reset()
+    counters.clear()
+    head = make_head()
+    use_kernels(head, compiled_kernels("eager"))
+    for grad in (True, False):
+        for B in (2, 1):
+            with torch.set_grad_enabled(grad):
+                out = ttt_loss(head, embed, *make_batch(head, B=B), steps=3)
+            if grad:
+                out.loss.backward()
+    assert counters["stats"]["unique_graphs"] == counters["frames"]["total"] == counters["frames"]["ok"] > 4 * 4 + 8
 
 
 def test_acceptance_length():
