@@ -76,8 +76,9 @@ def compiled_kernels(backend: str = "inductor") -> Kernels:
 _COMPILED_KERNELS = compiled_kernels()
 # A compiled function keeps a graph per variant of its calls. `Kernels.linear` serves the head's fc, o, down and
 # lm_head (each its own K and flags), on batches of one row or more (dynamo specializes a size of 1), in training and
-# in evaluation (grad mode): 16 variants, past dynamo's default of 8 graphs a function, after which each new variant
-# ran eagerly for the rest of the run (every SmolLM2 leg's log in the fifty-fifth and fifty-sixth sessions shows it).
+# in evaluation (grad mode): 16 variants on the CPU (the test), past dynamo's default of 8 graphs a function, after
+# which each new variant runs eagerly for the rest of the run. Every SmolLM2 leg on an H100 hit that limit within its
+# first 13 steps (docs/perf.md, fifty-sixth entry).
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
 
