@@ -259,9 +259,10 @@ def _json_lines(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
 
 
 def read_json_lines(path: Path) -> Iterator[tuple[str, dict]]:
-    """(place, record) for each non-blank line of a JSONL file of objects; a line that is not one raises a
-    ValueError naming the file and the line."""
-    for place, record in _json_lines(path.read_text(encoding="utf-8-sig")):
+    """(place, record) for each non-blank line of a JSONL file of objects (decompressed where its suffix says, as
+    `read_placed_conversations`); a line that is not one raises a ValueError naming the file and the line."""
+    data, _ = _read_bytes(path, None)
+    for place, record in _json_lines(data.decode("utf-8-sig")):
         if not isinstance(record, dict):
             what = record if isinstance(record, Exception) else f"expected a JSON object, got {type(record).__name__}"
             raise ValueError(f"{path}, {place}: {what}")

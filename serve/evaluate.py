@@ -27,7 +27,6 @@ reach = [3/4, 2/4, 1/4]; accept_rate = [3/4, 2/3, 1/2].
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import sys
@@ -99,8 +98,7 @@ def load_questions(bench: str) -> list[list[str]]:
     if bench == "mt-bench":
         return [row["turns"] for _, row in read_json_lines(asset_path("mt-bench"))]
     if bench == "humaneval":
-        with gzip.open(asset_path("humaneval"), "rt") as f:
-            return [[json.loads(line)["prompt"]] for line in f if line.strip()]
+        return [[row["prompt"]] for _, row in read_json_lines(asset_path("humaneval"))]
     path = Path(bench)
     if not path.is_file():
         raise FileNotFoundError(f"--bench {bench!r}: not mt-bench, humaneval or an existing JSONL file")

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from eyas.common.assets import asset_path
-from eyas.data.conversations import ConversationError, ReadReport, read_conversations
+from eyas.data.conversations import ConversationError, ReadReport, read_conversations, read_json_lines
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -155,9 +155,9 @@ def test_jsonl_cut_by_max_bytes(tmp_path):
 
 @pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
 def test_compressed_files_read_as_their_text(tmp_path, suffix, compress):
-    """A compressed file reads as its text does; one cut short (a partial download) keeps its complete records and
-    reads as truncated; one that is not what its suffix says raises, naming the file. Past a bz2 block of 900 kB,
-    so that a cut stream still holds a whole block."""
+    """A compressed file reads as its text does (conversations and JSON lines alike); one cut short (a partial
+    download) keeps its complete records and reads as truncated; one that is not what its suffix says raises, naming
+    the file. Past a bz2 block of 900 kB, so that a cut stream still holds a whole block."""
     n = 12000
     text = "".join(json.dumps({"messages": CHAT[:2] + [{"role": "assistant", "content": f"#{i}"}]}) + "\n"
                    for i in range(n))
@@ -166,6 +166,8 @@ def test_compressed_files_read_as_their_text(tmp_path, suffix, compress):
     (tmp_path / f"chats.jsonl{suffix}").write_bytes(packed)
     convs, report = read(tmp_path / f"chats.jsonl{suffix}")
     assert convs == plain and len(convs) == n and not report.truncated
+    assert [row for _, row in read_json_lines(tmp_path / f"chats.jsonl{suffix}")] == [json.loads(line) for line in
+                                                                                      text.splitlines()]
     convs, report = read(tmp_path / f"chats.jsonl{suffix}", max_bytes=len(text) - 5)
     assert convs == plain[:-1] and report.truncated
     (tmp_path / f"cut.jsonl{suffix}").write_bytes(packed[: len(packed) * 4 // 5])
