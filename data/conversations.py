@@ -100,16 +100,7 @@ def read_placed_conversations(
     path = Path(path)
     report = report if report is not None else ReadReport()
     report.path = str(path)
-    data, cut = _read_bytes(path, max_bytes)
-    # A read cut inside the file may split a multi-byte character at its end: the decoder keeps that one back (not
-    # final), and only that one. A byte-order mark is not data.
-    try:
-        text = codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not cut)
-    except UnicodeDecodeError as e:  # its message names neither the file nor the line
-        at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)  # counted past a BOM
-        line = data.count(b"\n", 0, at) + 1
-        raise ConversationError(f"{path}: line {line} (byte {at}): not UTF-8 ({e.reason}); convert the file, "
-                                "e.g. `iconv -f latin1 -t utf-8`") from None
+    text, cut = _read_text(path, max_bytes)
 
     def bad(place: str, reason: str) -> None:
         if strict:
@@ -144,6 +135,21 @@ _CUT = object()  # in place of a record: the file (or the part read) ended insid
 
 # Compressed conversation files, by suffix: read decompressed (`max_bytes` counts decompressed bytes).
 DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".lzma": lzma.open}
+
+
+def _read_text(path: Path, max_bytes: int | None) -> tuple[str, bool]:
+    """The file's (decompressed) text, up to `max_bytes` bytes, and whether the read stopped inside the file; bytes
+    that are not UTF-8 raise a ConversationError naming the file and the line."""
+    data, cut = _read_bytes(path, max_bytes)
+    # A read cut inside the file may split a multi-byte character at its end: the decoder keeps that one back (not
+    # final), and only that one. A byte-order mark is not data.
+    try:
+        return codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not cut), cut
+    except UnicodeDecodeError as e:  # its message names neither the file nor the line
+        at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)  # counted past a BOM
+        line = data.count(b"\n", 0, at) + 1
+        raise ConversationError(f"{path}: line {line} (byte {at}): not UTF-8 ({e.reason}); convert the file, "
+                                "e.g. `iconv -f latin1 -t utf-8`") from None
 
 
 def _read_bytes(path: Path, max_bytes: int | None) -> tuple[bytes, bool]:
@@ -259,10 +265,13 @@ def _json_lines(text: str, cut: bool = False) -> Iterator[tuple[str, object]]:
 
 
 def read_json_lines(path: Path) -> Iterator[tuple[str, dict]]:
-    """(place, record) for each non-blank line of a JSONL file of objects (decompressed where its suffix says, as
-    `read_placed_conversations`); a line that is not one raises a ValueError naming the file and the line."""
-    data, _ = _read_bytes(path, None)
-    for place, record in _json_lines(data.decode("utf-8-sig")):
+    """(place, record) for each non-blank line of a JSONL file of objects (read as `read_placed_conversations` reads
+    one: decompressed where its suffix says); a line that is not one raises a ValueError naming the file and the line,
+    and so does a compressed stream cut short (a partial download), whose records would otherwise read as all."""
+    text, cut = _read_text(path, None)
+    if cut:
+        raise ConversationError(f"{path}: its compressed stream stops short (a partial download?); fetch it again")
+    for place, record in _json_lines(text):
         if not isinstance(record, dict):
             what = record if isinstance(record, Exception) else f"expected a JSON object, got {type(record).__name__}"
             raise ValueError(f"{path}, {place}: {what}")

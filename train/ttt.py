@@ -78,8 +78,8 @@ _COMPILED_KERNELS = compiled_kernels()
 # lm_head (each its own K and flags), on batches of one row or more (dynamo specializes a size of 1), in training and
 # in evaluation (grad mode): 16 variants on the CPU (the test), past dynamo's default of 8 graphs a function, after
 # which each new variant runs eagerly for the rest of the run. Every SmolLM2 leg on an H100 hit that limit within its
-# first 13 steps (docs/perf.md, fifty-sixth entry). On one H100 over the same 350 batches a median step took 92.1 ms
-# with this limit, 92.5 at the default and 98.5 with `linear` left eager (fifty-eighth entry).
+# first 13 steps (docs/perf.md, fifty-sixth entry). On one H100 over the same batches (steps 100-450) a median step took
+# 92.1 ms with this limit, 92.5 at the default and 98.5 with `linear` left eager (fifty-eighth entry).
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
 

@@ -156,8 +156,9 @@ def test_jsonl_cut_by_max_bytes(tmp_path):
 @pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
 def test_compressed_files_read_as_their_text(tmp_path, suffix, compress):
     """A compressed file reads as its text does (conversations and JSON lines alike); one cut short (a partial
-    download) keeps its complete records and reads as truncated; one that is not what its suffix says raises, naming
-    the file. Past a bz2 block of 900 kB, so that a cut stream still holds a whole block."""
+    download) keeps its complete conversations and reads as truncated, and as JSON lines raises; one that is not
+    what its suffix says raises, naming the file. Past a bz2 block of 900 kB, so that a cut stream still holds a
+    whole block."""
     n = 12000
     text = "".join(json.dumps({"messages": CHAT[:2] + [{"role": "assistant", "content": f"#{i}"}]}) + "\n"
                    for i in range(n))
@@ -173,6 +174,8 @@ def test_compressed_files_read_as_their_text(tmp_path, suffix, compress):
     (tmp_path / f"cut.jsonl{suffix}").write_bytes(packed[: len(packed) * 4 // 5])
     convs, report = read(tmp_path / f"cut.jsonl{suffix}")
     assert 0 < len(convs) < n and convs == plain[: len(convs)] and report.truncated and not report.skipped
+    with pytest.raises(ConversationError, match=rf"cut\.jsonl\{suffix}: its compressed stream stops short"):
+        list(read_json_lines(tmp_path / f"cut.jsonl{suffix}"))  # a benchmark's questions are all read, or none
     with pytest.raises(ConversationError, match=rf"junk\.jsonl\{suffix}: not a readable \{suffix} file"):
         read(write(tmp_path / f"junk.jsonl{suffix}", text))
     with pytest.raises(FileNotFoundError):
