@@ -108,12 +108,12 @@ def random_head(target: TargetModel, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> E
     return head.eval()
 
 
-PROMPT_SETS = ("sharegpt", "mt-bench")
+PROMPT_SETS = ("sharegpt", "mt-bench", "humaneval")
 
 
 def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     """The first `n` first user turns of a packaged set that render to at most `max_len` tokens."""
-    if name == "mt-bench":
+    if name in ("mt-bench", "humaneval"):  # as eval-eagle asks them
         turns = (question[0] for question in load_questions(name))
     else:
         turns = (c[0]["content"] for c in read_conversations(asset_path(name)) if c[0]["role"] == "user")
@@ -326,9 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-vocab", type=int, help=f"draft vocabulary of the random head (default "
                         f"{EAGLE3_DRAFT_VOCAB}, as EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot "
                         "vocabulary, as FR-Spec's)")
-    parser.add_argument("--prompts", help="sharegpt or mt-bench (their first user turns in the target's chat "
-                        "template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: random "
-                        "tokens of --input-len)")
+    parser.add_argument("--prompts", help="sharegpt, mt-bench or humaneval (their first user turns in the target's "
+                        "chat template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: "
+                        "random tokens of --input-len)")
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens (random prompts), or the most of one")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens a prompt (at least 2: the first "
                         "comes from the prefill, the decode steps after it are what is timed)")

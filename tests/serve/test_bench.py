@@ -238,7 +238,7 @@ def test_autotune_file_errors_name_the_entry(tmp_path):
         read_autotune(path)
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "mt-bench"])
+@pytest.mark.parametrize("name", ["sharegpt", "mt-bench", "humaneval"])
 def test_chat_prompts_from_packaged_sets(name, smollm2_tokenizer):
     from eyas.serve.bench import chat_prompts
 
