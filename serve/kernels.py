@@ -531,6 +531,21 @@ class RowsLaunch(NamedTuple):
     splits: int
 
 
+def small_weight_past_few_rows(M: int, N: int, K: int) -> bool:
+    """Whether M rows through a weight [N, K] make a small weight's call past ROWS_FEW rows (SmolLM2's verification),
+    which waits on its loads' latency, not its bytes (`rows_launch`, `rows_tile`)."""
+    return M > ROWS_FEW and N * K < ROWS_LARGE_WEIGHT
+
+
+def rows_tile(M: int, N: int, K: int) -> int:
+    """The tile of rows (BLOCK_M) `rows_kernel` runs M rows in: the next power of two from 16, but 64 for a small weight
+    past ROWS_FEW rows. At 17-32 rows that took SmolLM2's (4, 8, 32) step as served from 1.13 to 1.01 ms on an H100 and
+    on an H200, as cheap as a 48-node one (docs/perf.md, fifty-ninth entry). Why is not measured (a reading: a tile of
+    32 rows takes half the shared memory, so more of a call's programs share an SM). At a draft pass's 8 rows, 64
+    slowed the draft."""
+    return 64 if small_weight_past_few_rows(M, N, K) else max(16, triton.next_power_of_2(M))
+
+
 def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gpu = HOPPER) -> RowsLaunch:
     """The served launch of `rows_kernel` at M rows, N_out output columns, K inputs (of each half of a joint gate/up
     weight with `silu_mul`), on GPU `on`, from sweeps on an H200 and an H100 (docs/perf.md): 32 weight rows a program,
@@ -540,9 +555,10 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
     target's q/k/v: 192 tiles of 32 on 132 SMs), and through SiLU·mul 64 rows of each half. Where a program may not ask
     that much, a long call through SiLU·mul takes 64 rows of each half in chunks of 64 (54 KB; four programs an SM).
     A small weight past ROWS_FEW rows (SmolLM2's verification) waits on its loads' latency, not its bytes: 16 weight
-    rows a program in chunks of 64 with 6 stages, twice the programs, each with more of its K in flight (at 64 rows
-    on an H100: q/k/v 2.88 against 3.26 µs at (32, 128, 4), gate/up 3.99 against 4.96, down split three ways 3.86
-    against 4.59; the (8, 8, 64) step 1.29 against 1.33-1.34 ms: docs/perf.md, fifty-fourth entry).
+    rows a program (in tiles of 64 rows of x: `rows_tile`) in chunks of 64 with 6 stages, twice the programs, each
+    with more of its K in flight (at 64 rows on an H100: q/k/v 2.88 against 3.26 µs at (32, 128, 4), gate/up 3.99
+    against 4.96, down split three ways 3.86 against 4.59; the (8, 8, 64) step 1.29 against 1.33-1.34 ms:
+    docs/perf.md, fifty-fourth entry).
     Float8 copies take 64 weight rows and 3 stages, in chunks of 256 but where K, split four ways, leaves a program
     1,024 or fewer (an 8B target's q/k/v: 11.2-11.4 against 12.4-12.5 µs; o: 8.8-9.1 against 9.2-9.4)."""
     if float8:
@@ -555,7 +571,7 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
         block_n, block_k, stages = through_silu if silu_mul else one_wave if triton.cdiv(N_out, 32) <= on.sms else other
     elif silu_mul and long_call(M, N, K):
         block_n, block_k, stages = 64, 64, 4
-    elif M > ROWS_FEW and N * K < ROWS_LARGE_WEIGHT:
+    elif small_weight_past_few_rows(M, N, K):
         block_n, block_k, stages = 16, 64, 6
     else:
         block_n, block_k, stages = 32, 256 if M <= ROWS_FEW and K >= 2048 else 128, 4
@@ -585,7 +601,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     M = len(rows)
     assert 1 <= M <= ROWS_MAX, f"{M} rows for rows_kernel, which takes 1 to {ROWS_MAX}"
     N_out = N // 2 if silu_mul_output else N
-    block_m = max(16, triton.next_power_of_2(M))
+    block_m = rows_tile(M, N, K)
     float8, on = quantized is not None, gpu(x.device)
     whole_sm = launch is None and whole_sm_call(M, N, K, float8, on)  # a launch given is timed as one sharing SMs
     launch = as_run(launch, K) if launch else rows_launch(M, N_out, K, float8, silu_mul_output, on)

@@ -476,7 +476,8 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
     x, weight = torch.zeros(5, 300, dtype=torch.float16), torch.zeros(80, 300, dtype=torch.float16)
     kernels.rows_kernel(x, weight, silu_mul_output=True, launch=kernels.RowsLaunch(16, 32, 3, 8, 7))
     kernels.rows_kernel(x, weight)
-    (grid, options), (served_grid, served_options) = launched
+    kernels.rows_kernel(torch.zeros(20, 300, dtype=torch.float16), weight)
+    (grid, options), (served_grid, served_options), (_, options_20) = launched
     assert grid == (3, 5)  # 40 outputs over 16 a program; 10 chunks of 32 in 5 runs of 2 (7 would leave 1 empty)
     assert (options["BLOCK_N"], options["BLOCK_K"], options["num_stages"], options["num_warps"]) == (16, 32, 3, 8)
     assert options["SPLITS"] == 5 and options["SILU_MUL"]
@@ -484,6 +485,7 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
     assert served_grid == (-(-80 // served.block_n), served.splits)
     assert (served_options["BLOCK_N"], served_options["BLOCK_K"], served_options["num_stages"],
             served_options["num_warps"]) == served[:4]
+    assert served_options["BLOCK_M"] == 16 and options_20["BLOCK_M"] == 64  # `rows_tile`
 
 
 def test_rows_operands_take_large_weights_only_in_long_calls():
@@ -607,7 +609,7 @@ def test_rows_kernel_fits_its_launch_to_the_device_and_times_a_given_one_as_shar
 def test_small_weights_past_few_rows_take_narrow_tiles_deeply_pipelined():
     """A small weight's verification call waits on its loads' latency (`rows_launch`): past ROWS_FEW rows SmolLM2's
     weights take 16 columns a program in chunks of 64 with 6 stages, its down (36 such tiles over 24 chunks) split
-    three ways; at a draft pass's 8 rows, and for large weights, the launches are as before."""
+    three ways, in tiles of 64 rows; at a draft pass's 8 rows, and for large weights, the launches are as before."""
     smollm2 = [(960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False)]  # q/k/v, o, gate/up, down
     for rows in (17, 48, 64):
         launches = [kernels.rows_launch(rows, N_out, K, False, silu) for N_out, K, silu in smollm2]
@@ -616,6 +618,10 @@ def test_small_weights_past_few_rows_take_narrow_tiles_deeply_pipelined():
     assert kernels.rows_launch(16, 960, 576, False, False) == (32, 128, 4, 4, 1)
     assert kernels.rows_launch(8, 576, 1536, False, False) == (32, 128, 4, 4, 6)
     assert kernels.rows_launch(48, 4096, 4096, False, False, kernels.Gpu(132, 99 << 10)) == (32, 128, 4, 4, 1)
+    # and run in tiles of 64 rows from 17 rows (`rows_tile`), where large weights and 16 rows or fewer keep the
+    # next power of two
+    assert [kernels.rows_tile(rows, 1536 * 2, 576) for rows in (1, 8, 16, 17, 32, 48)] == [16, 16, 16, 64, 64, 64]
+    assert [kernels.rows_tile(rows, 4096, 4096) for rows in (17, 24, 48)] == [32, 32, 64]
 
 
 def test_short_calls_of_small_weights_ask_l2_for_all_their_weights():
