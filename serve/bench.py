@@ -113,10 +113,10 @@ PROMPT_SETS = ("sharegpt", "mt-bench", "humaneval")
 
 def chat_prompts(name: str, tokenizer, n: int, max_len: int) -> list[list[int]]:
     """The first `n` first user turns of a packaged set that render to at most `max_len` tokens."""
-    if name in ("mt-bench", "humaneval"):  # as eval-eagle asks them
-        turns = (question[0] for question in load_questions(name))
-    else:
+    if name == "sharegpt":
         turns = (c[0]["content"] for c in read_conversations(asset_path(name)) if c[0]["role"] == "user")
+    else:  # a benchmark's questions, as eval-eagle asks them
+        turns = (question[0] for question in load_questions(name))
     rendered = (render_chat(tokenizer, [{"role": "user", "content": t}]) for t in turns)
     prompts = list(itertools.islice((ids for ids in rendered if len(ids) <= max_len), n))
     if not prompts:

@@ -539,10 +539,10 @@ def small_weight_past_few_rows(M: int, N: int, K: int) -> bool:
 
 def rows_tile(M: int, N: int, K: int) -> int:
     """The tile of rows (BLOCK_M) `rows_kernel` runs M rows in: the next power of two from 16, but 64 for a small weight
-    past ROWS_FEW rows. At 17-32 rows that took SmolLM2's (4, 8, 32) step as served from 1.13 to 1.01 ms on an H100 and
-    on an H200, as cheap as a 48-node one (docs/perf.md, fifty-ninth entry). Why is not measured (a reading: a tile of
-    32 rows takes half the shared memory, so more of a call's programs share an SM). At a draft pass's 8 rows, 64
-    slowed the draft."""
+    past ROWS_FEW rows. At 17-32 rows that took SmolLM2's (4, 8, 32) step as served from 1.13 to 1.01 ms on an H100
+    (1.13-1.14 on an H200), as cheap as a 48-node one (docs/perf.md, fifty-ninth entry). Why is not measured (a
+    reading: a tile of 32 rows takes half the shared memory, so more of a call's programs share an SM). At a draft
+    pass's 8 rows, 64 slowed the draft."""
     return 64 if small_weight_past_few_rows(M, N, K) else max(16, triton.next_power_of_2(M))
 
 
@@ -567,7 +567,7 @@ def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gp
         return RowsLaunch(64, block_k, 3, 4, rows_splits(tiles, triton.cdiv(K, block_k), True))
     N = (2 if silu_mul else 1) * N_out
     if whole_sm_call(M, N, K, float8, on):
-        one_wave, other, through_silu = WHOLE_SM_LAUNCHES[max(16, triton.next_power_of_2(M))]
+        one_wave, other, through_silu = WHOLE_SM_LAUNCHES[rows_tile(M, N, K)]
         block_n, block_k, stages = through_silu if silu_mul else one_wave if triton.cdiv(N_out, 32) <= on.sms else other
     elif silu_mul and long_call(M, N, K):
         block_n, block_k, stages = 64, 64, 4
