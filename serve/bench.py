@@ -108,6 +108,13 @@ def random_head(target: TargetModel, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> E
     return head.eval()
 
 
+def add_draft_vocab_argument(parser: argparse.ArgumentParser) -> None:
+    """--draft-vocab: the random head's draft vocabulary (`random_head`)."""
+    parser.add_argument("--draft-vocab", type=int, help=f"draft vocabulary of the random head (default "
+                        f"{EAGLE3_DRAFT_VOCAB}, as EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot "
+                        "vocabulary, as FR-Spec's)")
+
+
 PROMPT_SETS = ("sharegpt", "mt-bench", "humaneval")
 
 
@@ -323,9 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="random target and head of --arch, instead of --target and --draft")
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES),
                         help="--random-weights' architecture (the 8B's needs a GPU: 16 GB in bf16)")
-    parser.add_argument("--draft-vocab", type=int, help=f"draft vocabulary of the random head (default "
-                        f"{EAGLE3_DRAFT_VOCAB}, as EAGLE-3 heads; fewer: the draft passes' cost with a smaller hot "
-                        "vocabulary, as FR-Spec's)")
+    add_draft_vocab_argument(parser)
     parser.add_argument("--prompts", help="sharegpt, mt-bench or humaneval (their first user turns in the target's "
                         "chat template, at most --input-len tokens), or a JSONL of {'prompt_ids': [...]} (default: "
                         "random tokens of --input-len)")

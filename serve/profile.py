@@ -42,7 +42,7 @@ from eyas.common.profiling import Idle, KernelKind, idle_time, per_step, work_in
 from eyas.common.target import default_dtype
 
 from .autotune import format_setting
-from .bench import GREEDY, random_head, warm_engine
+from .bench import EAGLE3_DRAFT_VOCAB, GREEDY, add_draft_vocab_argument, random_head, warm_engine
 from .commands import (
     add_device_argument,
     add_engine_arguments,
@@ -50,6 +50,7 @@ from .commands import (
     engine_options,
     given_flags,
     refuse_unread,
+    require_positive,
     sampling_params,
     tree_setting,
 )
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="settings: off or num_steps,topk,num_draft_tokens (default: off 6,8,48)")
     parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated, their steps profiled")
+    add_draft_vocab_argument(parser)
     parser.add_argument("--top", type=int, default=12, help="kernels listed per phase (with --idle: gaps)")
     parser.add_argument("--idle", action="store_true",
                         help="how long the GPU idles a step while steps overlap, as in serving (CUDA only)")
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     add_device_argument(parser)
     args = parser.parse_args(argv)
     params = sampling_params(parser, args)
+    require_positive(parser, args, "draft_vocab")
     if args.input_len < 1 or args.new_tokens < 2 or args.top < 1:  # two new tokens: one decode step at least
         parser.error(f"need --input-len >= 1, --new-tokens >= 2 and --top >= 1, got {args.input_len}, "
                      f"{args.new_tokens}, {args.top}")
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                       "the phase profile runs each step alone (its phases timed between syncs); --idle overlaps them")
     options = engine_options(parser, args)
     target = random_target(args.arch, default_dtype(args.device), args.device)
-    head = random_head(target)
+    head = random_head(target, args.draft_vocab or EAGLE3_DRAFT_VOCAB)
     prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
     unit = "kernels" if args.device.startswith("cuda") else "operators"
     for shape in args.trees:

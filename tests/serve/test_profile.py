@@ -59,6 +59,21 @@ def test_engine_options_reach_the_engine(monkeypatch, capsys):
     assert "== tiny 3,2,4:" in capsys.readouterr().out
 
 
+def test_draft_vocab_sizes_the_profiled_head(monkeypatch, capsys):
+    """--draft-vocab profiles the head bench-eagle times with the same flag (its draft vocabulary, its lm_head's
+    rows); at most 0 is a usage error naming it."""
+    heads = []
+    real = profile.random_head
+    monkeypatch.setattr(profile, "random_head", lambda target, vocab: heads.append(real(target, vocab)) or heads[-1])
+    profile.main(["--arch", "tiny", "--trees", "3,2,4", "--input-len", "30", "--new-tokens", "6", "--draft-vocab", "40",
+                  "--device", "cpu"])
+    assert [h.draft_vocab_size for h in heads] == [40] and heads[0].lm_head.weight.shape[0] == 40
+    assert "== tiny 3,2,4:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        profile.main(["--arch", "tiny", "--draft-vocab", "0", "--device", "cpu"])
+    assert "--draft-vocab must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_sampled_verification_is_counted():
     """At a temperature the verify phase holds the sampled walk's work too: more operators than greedy's, among them
     the draw of the bonus token (`searchsorted`)."""
