@@ -110,7 +110,7 @@ class Drafter:
             pad = len(roots) - len(hidden)
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
             logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
-        draft = functools.partial(self._draft_tree, shape)
+        draft = functools.partial(self._draft_chain if shape.topk == 1 else self._draft_tree, shape)
         return DraftTree(*self.graphs(f"draft {shape}", draft, roots, hidden, logits, lengths, table))
 
     def _draft_tree(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,
@@ -140,8 +140,49 @@ class Drafter:
         tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
         return tokens, tree.parents, tree.depth, tree.mask
 
+    def _draft_chain(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,
+                     table: Tensor):
+        """`_draft_tree` at topk 1: each pass drafts its frontier's best token. A child's score never exceeds its
+        parent's, so the selection keeps the chain's first num_draft_tokens - 1 nodes (ties go to the first created):
+        the tree's shape is fixed, and the pool's scores, its growth and the selection are left out (about ten
+        launches a step), as are passes past the last kept node."""
+        B, device = len(roots), roots.device
+        nodes = min(shape.num_steps, shape.num_draft_tokens - 1)  # drafted nodes kept
+        prefix = lengths.to(torch.int32)
+        # Node j (1-based) keeps its KV at position n + j - 1, and pass j (j = 1 .. nodes - 1) runs on it there.
+        positions = lengths[:, None] + _offsets(nodes - 1, device)  # [B, nodes - 1]
+        slots = slots_of(table, positions, self.pool.block_size)
+        cos, sin = self.rope(positions)
+        tokens = [self.kernels.top_log_probs(logits, 1)[1]]  # [B, 1] each: the drafted nodes' tokens
+        outputs = hidden[:, None]  # [B, 1, H] the last node's parent's output
+        for depth in range(1, nodes):
+            attn = self.attention(self.pool, table, prefix, _sees_all(B, depth, device),
+                                  new_slots=slots[:, depth - 1 : depth])
+            embeds, parent = self.kernels.frontier_inputs(tokens[-1], self.draft_embeddings, outputs, None)
+            outputs = self.head.step(embeds, parent, (cos[:, depth - 1, None], sin[:, depth - 1, None]), attn)
+            tokens.append(self.kernels.top_log_probs(self.head.logits(outputs), 1)[1][:, 0])
+        chain = _chain(B, nodes + 1, device)
+        return (torch.cat([roots[:, None], self.hot.to_target(torch.cat(tokens, dim=1))], dim=1), *chain)
+
 
 @functools.cache
 def _offsets(n: int, device: torch.device) -> Tensor:
     """torch.arange(n) on `device`: the same every draft, so made once (a launch less each). Nothing writes it."""
     return torch.arange(n, device=device)
+
+
+@functools.cache
+def _sees_all(B: int, depth: int, device: torch.device) -> Tensor:
+    """A chain's frontier node at `depth` attends to every node drafted so far, itself included: [B, 1, depth] True.
+    Made once a shape; nothing writes it."""
+    return torch.ones(B, 1, depth, dtype=torch.bool, device=device)
+
+
+@functools.cache
+def _chain(B: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The chain of n nodes' parents [B, n] (-1, 0, 1, ...), depths [B, n] and ancestor mask [B, n, n] (lower
+    triangular): the same every chain step, so made once. Nothing writes them."""
+    index = torch.arange(n, device=device)
+    mask = index[:, None] >= index[None, :]
+    return (index.sub(1).expand(B, n).contiguous(), index.expand(B, n).contiguous(),
+            mask.expand(B, n, n).contiguous())

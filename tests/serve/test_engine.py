@@ -177,6 +177,26 @@ def test_drafted_tree_equals_uncached_drafting_cuda(target, shape, decode_steps)
     check_drafted_tree(copy.deepcopy(target).to("cuda"), SHAPES[shape], 1e-4, decode_steps)
 
 
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 5), TreeShape(4, 1, 3), TreeShape(1, 1, 2)], ids=str)
+def test_chain_drafts_the_tree_the_selection_keeps(target, shape):
+    """A chain (topk 1) drafts without the candidate pool (`Drafter._draft_chain`): for 2 requests its tree (tokens,
+    parents, depths, mask) is the one the general drafting selects, also where that keeps fewer nodes than it drafts
+    ((4, 1, 3): the chain runs two passes less)."""
+    engine = Engine(target, random_head(target), EngineConfig(tree=shape, block_size=4, num_blocks=64, overlap=False))
+    requests = [engine.add_request(p, GREEDY, 16) for p in prompts(2, target.config.vocab_size, seed=5)]
+    engine.step()  # both prompts prefilled: each has the draft's state after its last position
+    assert all(r.draft is not None for r in requests)
+    engine._ensure_blocks()
+    inputs = (torch.tensor([r.last_token for r in requests]), torch.stack([r.draft.hidden for r in requests]),
+              torch.stack([r.draft.logits for r in requests]), torch.tensor([r.cached for r in requests]),
+              engine._block_table(requests))
+    with torch.no_grad():
+        chain, general = engine.drafter._draft_chain(shape, *inputs), engine.drafter._draft_tree(shape, *inputs)
+    assert chain[0].shape == (2, min(shape.num_draft_tokens, 1 + shape.num_steps))
+    for ours, selected in zip(chain, general, strict=True):
+        assert torch.equal(ours, selected)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_settings_by_batch_size(target, graphs, monkeypatch):
     """Autotuned settings: as requests finish the batch shrinks 3 -> 2 -> 1 and each step drafts the tree of
