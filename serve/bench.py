@@ -152,7 +152,8 @@ def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
                 params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None; with `head_kept` the head is still loaded
     and extended over the prompts, as an autotuned server runs a batch size whose setting is off) with KV room
-    for `batch_size` of `prompts` and `max_new_tokens` each, after an untimed run of that work (`generate_all`).
+    for `batch_size` of `prompts` and `max_new_tokens` each, and the block to spare each that admission keeps (else
+    a batch would run a request short: `Engine._admissible`), after an untimed run of that work (`generate_all`).
     Triton compiles a kernel variant the first time a shape class appears (prompt lengths, batch buckets, acceptance
     lengths) and each bucket's CUDA graphs are captured on first use: seconds that a serving process pays once, and
     a timed first run would charge to one setting."""
@@ -161,7 +162,7 @@ def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     speculative = shape is not None or head_kept
     config = EngineConfig(speculative=speculative, tree=shape or TreeShape(), max_batch_size=batch_size,
                           tree_by_batch=((batch_size, None),) if head_kept else (), block_size=block_size,
-                          num_blocks=batch_size * -(-longest // block_size), **options)
+                          num_blocks=batch_size * (-(-longest // block_size) + 1), **options)
     engine = Engine(target, head if speculative else None, config)
     generate_all(engine, prompts, max_new_tokens, batch_size, params)
     return engine

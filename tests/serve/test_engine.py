@@ -706,6 +706,24 @@ def test_preemptions_count_the_positions_prefilled_again(target, monkeypatch):
     assert engine.preemptions >= 2 and sum(prefilled) == sum(map(len, ps)) + engine.recomputed
 
 
+def test_admission_leaves_a_block_to_each_running_request(target):
+    """A waiting request is admitted only where a block stays free for each running one besides (their growth would
+    soon preempt it otherwise): a prompt needing every free block waits while another request runs, one needing a
+    block less is admitted."""
+    engine = Engine(target, None, EngineConfig(speculative=False, block_size=4, num_blocks=24))
+    vocab = target.config.vocab_size
+    engine.add_request(prompts(1, vocab, seed=1)[0][:10], GREEDY, max_new_tokens=30)
+    engine.step()  # admitted and prefilled
+    free = engine.pool.allocator.num_free
+    assert len(engine.running) == 1 and free > 2
+    # A prompt of 4·b - reserve tokens needs b blocks of 4 (with the step's reserve).
+    waiting = engine.add_request(list(range(4 * free - engine.reserve)), GREEDY, max_new_tokens=1)
+    assert engine._admissible() == 0
+    engine.waiting.remove(waiting)
+    engine.add_request(list(range(4 * (free - 1) - engine.reserve)), GREEDY, max_new_tokens=1)
+    assert engine._admissible() == free - 1
+
+
 def test_abort_frees_blocks(target):
     engine = Engine(target, random_head(target), EngineConfig(block_size=4, num_blocks=64))
     request = engine.add_request(prompts(1, 257)[0], GREEDY, max_new_tokens=100)
