@@ -667,7 +667,8 @@ class Engine:
     def _verification(self, depth: int, sampling: tuple[SamplingRows, Tensor] | None):
         """The verification a graph runs on trees `depth` deep: greedy, or by `sampling` (`_sampling`). -> its name,
         its function of (tokens, parents, logits, node_valid, positions, *inputs) and those inputs. The logits come
-        in the target's dtype: the greedy argmax reads them as they are (exact), the sampled walk in float32."""
+        in the target's dtype: the greedy argmax reads them as they are (exact), and so does the sampled walk, whose
+        softmax computes in float32 a group of requests at a time (`sampling.draw`), not on a float32 copy of all."""
         if sampling is None:
             return f"greedy verification {depth}", functools.partial(self._verify_greedy, depth), ()
         rows, seeds = sampling
@@ -709,7 +710,7 @@ class Engine:
                         ) -> tuple[Tensor, ...]:
         """`walk_sampling` on graph inputs: the rows' parameter tensor and `flags` stand for their `SamplingRows`;
         each row draws with its seed at the nodes' positions."""
-        return walk_sampling(tokens, parents, logits.float(), node_valid, SamplingRows(values, *flags), seeds,
+        return walk_sampling(tokens, parents, logits, node_valid, SamplingRows(values, *flags), seeds,
                              positions, depth, self.follow_targets, self.probs_kernels)
 
     def _accept(

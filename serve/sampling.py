@@ -103,6 +103,11 @@ class SamplingRows:
     any_top_p: bool
     any_greedy: bool
 
+    def narrow(self, start: int, length: int) -> SamplingRows:
+        """Rows start .. start + length - 1 (fewer past the end); the flags stay the whole batch's (a filter no row
+        of these asks for keeps every token)."""
+        return SamplingRows(self.values[:, start : start + length], self.any_top_k, self.any_top_p, self.any_greedy)
+
     @classmethod
     def of(cls, params: SamplingParams | Sequence[SamplingParams], rows: int, vocab: int,
            device: torch.device | str) -> SamplingRows:
@@ -117,12 +122,23 @@ class SamplingRows:
                    any(p.greedy for p in plist))
 
 
+# The most logits `draw` turns into probabilities at once. Each takes about 30 bytes of temporaries there (float32
+# probabilities filtered and renormalised, the float64 CDF): a 48-node tree's verification at 64 requests over a 128k
+# vocabulary, drawn whole, ran an H100 out of memory while serve-eagle warmed up (docs/perf.md, sixtieth entry).
+DRAW_ENTRIES = 1 << 25
+
+
 def draw(logits: torch.Tensor, rows: SamplingRows, seeds: torch.Tensor, positions: torch.Tensor,
          kernels: ProbsKernels | None = None) -> torch.Tensor:
-    """The target's token after each position: logits [B, ..., V], seeds [B] int64, positions [B, ...] int64 (whose
-    logits these are) -> tokens [B, ...], each drawn by inverse CDF from `target_probs` with the seed's uniform at
-    that position (`position_uniforms`): what the engine emits there, whatever the tree or batch."""
-    return sample(target_probs(logits, rows, kernels), position_uniforms(seeds, positions))
+    """The target's token after each position: logits [B, ..., V] (any float dtype), seeds [B] int64, positions
+    [B, ...] int64 (whose logits these are) -> tokens [B, ...], each drawn by inverse CDF from `target_probs` with the
+    seed's uniform at that position (`position_uniforms`): what the engine emits there, whatever the tree or batch.
+    Requests are drawn a group at a time, each group's logits within DRAW_ENTRIES (a request's own rows stay
+    together): the same draws, in bounded memory."""
+    uniforms = position_uniforms(seeds, positions)
+    group = max(1, DRAW_ENTRIES // logits[0].numel())  # requests a group
+    return torch.cat([sample(target_probs(logits[i : i + group], rows.narrow(i, group), kernels),
+                             uniforms[i : i + group]) for i in range(0, len(logits), group)])
 
 
 class ProbsKernels(NamedTuple):

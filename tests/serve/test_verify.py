@@ -266,6 +266,23 @@ def test_mixed_params_and_per_request_seeds():
         assert torch.equal(a[1::2], b[1::2])  # greedy rows of a mixed batch are exactly greedy
 
 
+@pytest.mark.parametrize("group_entries", [1, 2 * 7 * 50, 5 * 7 * 50], ids=["one-request", "two", "five"])
+def test_draws_in_groups_of_requests_equal_one_draw(group_entries, monkeypatch):
+    """`draw` turns a group of requests' logits into probabilities at a time (DRAW_ENTRIES); the draws equal one
+    draw over the whole batch, with every filter and greedy rows mixed in, in bf16 as the engine passes them."""
+    g = torch.Generator().manual_seed(4)
+    B, N, V = 9, 7, 50
+    logits = (3 * torch.randn(B, N, V, generator=g)).bfloat16()
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=3), SamplingParams(top_p=0.8),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9), SamplingParams()] * 2
+    rows = SamplingRows.of(params[:B], B, V, "cpu")
+    seeds, positions = torch.arange(B) * 977, torch.arange(N).expand(B, N) + 30
+    whole = sampling.draw(logits, rows, seeds, positions)
+    monkeypatch.setattr(sampling, "DRAW_ENTRIES", group_entries)
+    assert torch.equal(sampling.draw(logits, rows, seeds, positions), whole)
+    assert torch.equal(whole[0], logits[0].float().argmax(-1))  # a greedy row's draws are its argmax
+
+
 def test_each_position_draws_what_the_target_draws_there_alone():
     """Every token a sampled verification emits is the target's own draw at its position: what sampling the
     distribution after its parent (alone, as a plain decoding step does) with the seed's uniform there gives."""
