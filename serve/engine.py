@@ -328,35 +328,51 @@ class Engine:
         batch padded to it drafts, as autotuned), a greedy generation of `new_tokens` on prompts of 31 and 32 tokens
         (Triton compiles a kernel variant for lengths that are a multiple of 16 and one for the rest), then a decode
         step of sampled requests, without and with top-p, all sampled and (past one request) beside a greedy one (each
-        verifies in a graph of its own: `_verification`); then a prompt of each longer length bucket that fits, greedy
-        and with each sampled setting (`_prefill`'s graphs at batch 1, each sampling the first token its way; a
-        batch of longer prompts still captures its prefill's graph when it first comes). The CUDA graphs are captured
-        and the kernels compiled before a request waits for them: seconds, which the first requests would otherwise
-        pay. `params`: a run's own setting, warmed up as well where it samples (eval-eagle's, which may filter by
-        top-k). Leaves no request and every block free. `progress`: a bar on stderr, a step per batch size and one for
-        the prompt lengths."""
+        verifies in a graph of its own: `_verification`); then for each other length bucket, prompts of it at each
+        batch bucket whose prefill step holds them and whose blocks the pool has (`_prefill_warm_sizes`), greedy and
+        sampled alike (`_prefill`'s graphs, each sampling the first tokens its way: captured while serving, a batch's
+        first long prefill waited 0.05-0.9 s, docs/perf.md, sixtieth entry). The CUDA graphs are captured and the
+        kernels compiled before a request waits for them: seconds, which the first requests would otherwise pay.
+        `params`: a run's own setting, warmed up as well where it samples (eval-eagle's, which may filter by top-k).
+        Leaves no request and every block free. `progress`: a bar on stderr, a step per batch size and per length."""
         vocab = self.target.config.vocab_size
         sizes = self._warm_batch_sizes()
-        lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n > 32 and self.room(n) >= 1]
-        bar = tqdm(total=len(sizes) + bool(lengths), desc="warming up", unit="step", disable=not progress,
+        # The decode steps' prompts fill the 32-token bucket; every other that fits the context is warmed up alone.
+        lengths = [n for n in length_buckets(self.config.max_prefill_tokens) if n != 32 and self.room(n) >= 1]
+        bar = tqdm(total=len(sizes) + len(lengths), desc="warming up", unit="step", disable=not progress,
                    file=sys.stderr)
-        greedy = SamplingParams(temperature=0)
         sampled_settings = (SamplingParams(), SamplingParams(top_p=0.95),
                             *([params] if params and not params.greedy else []))
         with bar:
-            for batch in sizes:
+            for batch in sizes:  # greedy decode steps, then one sampled step (after the prefill's token) each way
                 prompts = [[(7 * i + j) % vocab for j in range(31 + i % 2)] for i in range(batch)]
-                self.generate(prompts, greedy, new_tokens)
-                for sampled in sampled_settings:
-                    self.generate(prompts, sampled, 2)  # the prefill's token, then one decode step
-                    if batch > 1:
-                        self.generate(prompts, [greedy] + [sampled] * (batch - 1), 2)
+                self._generate_each_way(prompts, sampled_settings, new_tokens, 2)
                 bar.update()
-            for n in lengths:  # the prefill alone: its graph samples the first token as the request does
-                prompt = [(7 * j) % vocab for j in range(n)]
-                for setting in (greedy, *sampled_settings):
-                    self.generate([prompt], setting, 1)
-            bar.update(bool(lengths))
+            for n in lengths:  # the prefill alone
+                for batch in self._prefill_warm_sizes(n, sizes):
+                    self._generate_each_way([[(7 * (i + j)) % vocab for j in range(n)] for i in range(batch)],
+                                            sampled_settings, 1, 1)
+                bar.update()
+
+    def _generate_each_way(self, prompts: list[list[int]], sampled_settings: tuple[SamplingParams, ...],
+                           greedy_tokens: int, sampled_tokens: int) -> None:
+        """`prompts` generated greedily, then with each sampled setting, all sampled and (past one prompt) beside a
+        greedy one: each way verifies, and samples a prefill's first tokens, in graphs of its own."""
+        greedy = SamplingParams(temperature=0)
+        self.generate(prompts, greedy, greedy_tokens)
+        for sampled in sampled_settings:
+            self.generate(prompts, sampled, sampled_tokens)
+            if len(prompts) > 1:
+                self.generate(prompts, [greedy] + [sampled] * (len(prompts) - 1), sampled_tokens)
+
+    def _prefill_warm_sizes(self, length: int, sizes: list[int]) -> list[int]:
+        """Of the warmed batch sizes `sizes` (ascending), the largest in each bucket whose prompts of `length` tokens
+        prefill in one step (its padded rows and columns within max_prefill_tokens, as `_prefill_batch` groups them)
+        and are admitted together (their blocks, and one to spare each, in the pool)."""
+        largest = {batch_bucket(b): b for b in sizes}
+        need = self._blocks_for(length + self.reserve)
+        return [b for bucket, b in largest.items() if bucket * length <= self.config.max_prefill_tokens
+                and b * (need + 1) <= self.pool.allocator.num_free]
 
     def _warm_batch_sizes(self) -> list[int]:
         """A batch size for each pair of batch bucket and tree setting a decode step can run, the largest: the buckets

@@ -748,14 +748,18 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_was(target, m
     monkeypatch.setattr(engine, "generate", recording)
     engine.warm_up(new_tokens=4, progress=True)
     # Each batch size greedy, sampled and with top-p, the sampled ones past one request beside a greedy one too; then
-    # one prompt of each length bucket past 32 that fits the context (128 blocks of 4: 512 positions, less the room
-    # a step needs), greedy, sampled and with top-p.
+    # prompts of each other length bucket that fits the context (128 blocks of 4: 512 positions, less the room a
+    # step needs) the same ways, at each batch size whose blocks (and one to spare each) the pool has: 7 + 1 blocks
+    # each at 16 tokens, 19 + 1 at 64, 35 + 1 at 128, 67 + 1 at 256 (a tree's step reserves 9 positions).
     greedy, each = (0, 1), [(1, 1), (1, 0.95)]
-    assert batches == [[greedy], [(1, 1)], [(1, 0.95)]] + [
-        run for b in (2, 3) for run in [[greedy] * b] + [r for q in each for r in ([q] * b, [greedy] + [q] * (b - 1))]
-    ] + [[greedy], [(1, 1)], [(1, 0.95)]] * 3 and engine.context_limit == 512
-    err = capsys.readouterr().err  # the bar, one step per batch size and one for the prompt lengths
-    assert "warming up: 100%" in err and "4/4" in err
+
+    def each_way(b):
+        return [[greedy] * b] + [r for q in each for r in ([q] * b, [greedy] + [q] * (b - 1))[: 1 + (b > 1)]]
+
+    assert engine.context_limit == 512 and engine.reserve == 9
+    assert batches == [run for sizes in ([1, 2, 3],) * 4 + ([1],) for b in sizes for run in each_way(b)]
+    err = capsys.readouterr().err  # the bar, one step per batch size and one per prompt length
+    assert "warming up: 100%" in err and "7/7" in err
     assert not engine.has_work() and engine.pool.allocator.num_free == 128
     ps = prompts(3, target.config.vocab_size)
     fresh = Engine(target, random_head(target), config).generate(ps, GREEDY, max_new_tokens=12)
@@ -777,16 +781,16 @@ def test_warm_up_runs_each_bucket_with_every_setting_its_batches_draft(target):
 def test_after_warm_up_mixed_batches_and_sampled_long_prompts_run_in_graphs_captured(target, monkeypatch):
     """A decode step of a greedy request beside sampled ones (with top-p or not) verifies in a graph of its own
     (`_verification`), and a sampled prompt's prefill samples its first token in the prefill's graph: warm_up
-    captures both, a long prompt's prefill at batch 1 too, so none is captured while serving. (Past batch 1, longer
-    prompts' prefill graphs, one per batch and length bucket, are not all warmed up, greedy or sampled.)"""
+    captures both, long prompts' prefills too (at each batch bucket, greedy, sampled and mixed), so none is captured
+    while serving."""
     monkeypatch.setattr(TorchPagedAttention, "graph_safe", True)  # the fixed shapes of graphs
     engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
                                                                max_batch_size=3))
     keys, call = [], GraphCache.__call__
 
     def recording(self, name, fn, *inputs):  # the key a GPU's cache captures under
-        if name.startswith("target, ") or (name.startswith("prefill, ") and len(inputs[0]) == 1):
-            keys.append((name, *((x.shape, x.dtype) for x in inputs)))  # a decode step's; a prefill's at batch 1
+        if name.startswith(("target, ", "prefill, ")):
+            keys.append((name, *((x.shape, x.dtype) for x in inputs)))  # a decode step's, a prefill's
         return call(self, name, fn, *inputs)
 
     monkeypatch.setattr(GraphCache, "__call__", recording)
@@ -796,14 +800,18 @@ def test_after_warm_up_mixed_batches_and_sampled_long_prompts_run_in_graphs_capt
     for mix in ([GREEDY, SamplingParams(seed=1), SamplingParams(seed=2)], [SamplingParams(top_p=0.9, seed=1), GREEDY]):
         engine.generate(ps[:len(mix)], mix, 6)
     engine.generate([list(range(100))], SamplingParams(temperature=0.7, top_p=0.9, seed=4), 3)  # a 128-token bucket
+    long = [list(range(i, 60 + i)) for i in range(3)]  # three 64-token prompts: one prefill of 4 rows
+    engine.generate(long, [GREEDY, SamplingParams(top_p=0.9, seed=5), SamplingParams(seed=6)], 3)
     assert any("greedy rows (False, False, True)" in key[0] for key in keys)
     assert any(key[0].startswith("prefill, sampled") and key[1][0][1] == 128 for key in keys)
+    assert any(key[0].startswith("prefill, sampled") and key[1][0] == (4, 64) for key in keys)
     assert set(keys) <= warmed
 
 
 def test_warm_up_takes_a_runs_own_sampling(target, monkeypatch):
     """A run's own sampled setting (eval-eagle's, here with top-k, whose graphs and kernels the defaults do not
-    build) is warmed up too, at each batch size and then at each longer length bucket (three here) at batch 1."""
+    build) is warmed up too, at each batch size and then at each other length bucket (four here) at each batch size
+    the pool holds (two requests of 256 tokens it does not)."""
     engine = Engine(target, random_head(target), EngineConfig(tree=SHAPES["tree"], block_size=4, num_blocks=128,
                                                                max_batch_size=2))
     warmed, generate = [], engine.generate
@@ -811,7 +819,7 @@ def test_warm_up_takes_a_runs_own_sampling(target, monkeypatch):
                         generate(ps, params, *args))
     own = SamplingParams(temperature=0.7, top_k=5)
     engine.warm_up(new_tokens=2, params=own)
-    assert [b for b, params in warmed if params == own] == [1, 2, 1, 1, 1]
+    assert [b for b, params in warmed if params == own] == [1, 2, 1, 2, 1, 2, 1, 2, 1]
 
 
 @pytest.mark.parametrize("speculative", [False, True])
