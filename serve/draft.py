@@ -144,8 +144,8 @@ class Drafter:
                      table: Tensor):
         """`_draft_tree` at topk 1: each pass drafts its frontier's best token. A child's score never exceeds its
         parent's, so the selection keeps the chain's first num_draft_tokens - 1 nodes (ties go to the first created):
-        the tree's shape is fixed, and the pool's scores, its growth and the selection are left out (about ten
-        launches a step), as are passes past the last kept node."""
+        the tree's shape is fixed, and the pool's scores, its growth and the selection are left out (ten launches a
+        (7, 1, 8) step, by the code), as are passes past the last kept node."""
         B, device = len(roots), roots.device
         nodes = min(shape.num_steps, shape.num_draft_tokens - 1)  # drafted nodes kept
         prefix = lengths.to(torch.int32)

@@ -137,8 +137,9 @@ def draw(logits: torch.Tensor, rows: SamplingRows, seeds: torch.Tensor, position
     together): the same draws, in bounded memory."""
     uniforms = position_uniforms(seeds, positions)
     group = max(1, DRAW_ENTRIES // logits[0].numel())  # requests a group
-    return torch.cat([sample(target_probs(logits[i : i + group], rows.narrow(i, group), kernels),
-                             uniforms[i : i + group]) for i in range(0, len(logits), group)])
+    drawn = [sample(target_probs(logits[i : i + group], rows.narrow(i, group), kernels), uniforms[i : i + group])
+             for i in range(0, len(logits), group)]
+    return drawn[0] if len(drawn) == 1 else torch.cat(drawn)  # one group (a batch-1 step): no copy
 
 
 class ProbsKernels(NamedTuple):
