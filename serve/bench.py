@@ -63,7 +63,7 @@ from .commands import (
 )
 from .cuda_graphs import replay_ms
 from .draft import TreeShape
-from .engine import Engine, EngineConfig, Request, step_reserve
+from .engine import Engine, EngineConfig, Request, blocks_to_admit, step_reserve
 from .evaluate import load_questions
 from .sampling import SamplingParams
 
@@ -98,8 +98,9 @@ class Result:
 EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of published EAGLE-3 heads (Llama-3.1-8B's)
 
 
-def random_head(target: TargetModel, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> Eagle3Head:
-    cfg = Eagle3Config.for_target(target.config, min(draft_vocab, target.config.vocab_size))
+def random_head(target: TargetModel, draft_vocab: int | None = None) -> Eagle3Head:
+    """A random head for `target`, of `draft_vocab` draft tokens (None: EAGLE3_DRAFT_VOCAB; at most the target's)."""
+    cfg = Eagle3Config.for_target(target.config, min(draft_vocab or EAGLE3_DRAFT_VOCAB, target.config.vocab_size))
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     with torch.device(device):
         head = Eagle3Head(cfg).to(dtype)
@@ -152,8 +153,8 @@ def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
                 params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None; with `head_kept` the head is still loaded
     and extended over the prompts, as an autotuned server runs a batch size whose setting is off) with KV room
-    for `batch_size` of `prompts` and `max_new_tokens` each, and the block to spare each that admission keeps (else
-    a batch would run a request short: `Engine._admissible`), after an untimed run of that work (`generate_all`).
+    for `batch_size` of `prompts` and `max_new_tokens` each, admitted together (`blocks_to_admit`: else a batch
+    would run a request short), after an untimed run of that work (`generate_all`).
     Triton compiles a kernel variant the first time a shape class appears (prompt lengths, batch buckets, acceptance
     lengths) and each bucket's CUDA graphs are captured on first use: seconds that a serving process pays once, and
     a timed first run would charge to one setting."""
@@ -162,7 +163,7 @@ def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, 
     speculative = shape is not None or head_kept
     config = EngineConfig(speculative=speculative, tree=shape or TreeShape(), max_batch_size=batch_size,
                           tree_by_batch=((batch_size, None),) if head_kept else (), block_size=block_size,
-                          num_blocks=batch_size * (-(-longest // block_size) + 1), **options)
+                          num_blocks=blocks_to_admit(-(-longest // block_size), batch_size), **options)
     engine = Engine(target, head if speculative else None, config)
     generate_all(engine, prompts, max_new_tokens, batch_size, params)
     return engine
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     options = engine_options(parser, args)
     if args.random_weights:
         target = random_target(args.arch, dtype, args.device)
-        head = random_head(target, args.draft_vocab or EAGLE3_DRAFT_VOCAB)
+        head = random_head(target, args.draft_vocab)
     else:
         if args.draft_vocab:
             parser.error("--draft-vocab sizes the random head of --random-weights; a trained head has its own")

@@ -129,16 +129,13 @@ class Drafter:
         cos, sin = self.rope(lengths[:, None] + _offsets(shape.num_steps - 1, roots.device))
         for depth in range(1, shape.num_steps):
             # The window is the nodes drafted so far; the frontier (the last k) sees its drafted ancestors.
-            attn = self.attention(self.pool, table, prefix, builder.frontier.ancestors,
-                                  new_slots=slots[:, k * (depth - 1) : k * depth])
             rope = tuple(x[:, depth - 1, None].expand(B, k, -1) for x in (cos, sin))  # the frontier's position
-            embeds, hidden = self.kernels.frontier_inputs(tokens, self.draft_embeddings, outputs, rows)  # [B, k, H]
-            outputs = self.head.step(embeds, hidden, rope, attn)  # [B, k, H]
+            outputs = self._pass(table, prefix, builder.frontier.ancestors, slots[:, k * (depth - 1) : k * depth], rope,
+                                 tokens, outputs, rows)
             tokens = builder.extend(*top_log_probs(self.head.logits(outputs), k))
             rows = builder.frontier.rows
         tree = builder.finalize(shape.num_draft_tokens)
-        tokens = torch.cat([roots[:, None], self.hot.to_target(tree.tokens[:, 1:])], dim=1)
-        return tokens, tree.parents, tree.depth, tree.mask
+        return self._as_target(roots, tree.tokens[:, 1:]), tree.parents, tree.depth, tree.mask
 
     def _draft_chain(self, shape: TreeShape, roots: Tensor, hidden: Tensor, logits: Tensor, lengths: Tensor,
                      table: Tensor):
@@ -156,13 +153,24 @@ class Drafter:
         tokens = [self.kernels.top_log_probs(logits, 1)[1]]  # [B, 1] each: the drafted nodes' tokens
         outputs = hidden[:, None]  # [B, 1, H] the last node's parent's output
         for depth in range(1, nodes):
-            attn = self.attention(self.pool, table, prefix, _sees_all(B, depth, device),
-                                  new_slots=slots[:, depth - 1 : depth])
-            embeds, parent = self.kernels.frontier_inputs(tokens[-1], self.draft_embeddings, outputs, None)
-            outputs = self.head.step(embeds, parent, (cos[:, depth - 1, None], sin[:, depth - 1, None]), attn)
+            outputs = self._pass(table, prefix, _sees_all(B, depth, device), slots[:, depth - 1 : depth],
+                                 (cos[:, depth - 1, None], sin[:, depth - 1, None]), tokens[-1], outputs, None)
             tokens.append(self.kernels.top_log_probs(self.head.logits(outputs), 1)[1][:, 0])
-        chain = _chain(B, nodes + 1, device)
-        return (torch.cat([roots[:, None], self.hot.to_target(torch.cat(tokens, dim=1))], dim=1), *chain)
+        return self._as_target(roots, torch.cat(tokens, dim=1)), *_chain(B, nodes + 1, device)
+
+    def _pass(self, table: Tensor, prefix: Tensor, ancestors: Tensor, slots: Tensor, rope: tuple[Tensor, Tensor],
+              tokens: Tensor, outputs: Tensor, rows: Tensor | None) -> Tensor:
+        """One draft pass over a frontier of k nodes a request: their tokens [B, k] (draft indices) and their parents'
+        outputs (`frontier_inputs` of outputs [B, R, H] at rows [B, k], or None: row 0), attending to the prefix and
+        the drafted nodes `ancestors` [B, k, P] marks, their KV written at slots [B, k], at rotary tables rope
+        [B, k, D] -> their outputs [B, k, H]."""
+        attn = self.attention(self.pool, table, prefix, ancestors, new_slots=slots)
+        embeds, hidden = self.kernels.frontier_inputs(tokens, self.draft_embeddings, outputs, rows)
+        return self.head.step(embeds, hidden, rope, attn)
+
+    def _as_target(self, roots: Tensor, drafted: Tensor) -> Tensor:
+        """The tree's tokens as target ids: roots [B], then the drafted nodes [B, N - 1] (draft indices)."""
+        return torch.cat([roots[:, None], self.hot.to_target(drafted)], dim=1)
 
 
 @functools.cache

@@ -368,11 +368,11 @@ class Engine:
     def _prefill_warm_sizes(self, length: int, sizes: list[int]) -> list[int]:
         """Of the warmed batch sizes `sizes` (ascending), the largest in each bucket whose prompts of `length` tokens
         prefill in one step (its padded rows and columns within max_prefill_tokens, as `_prefill_batch` groups them)
-        and are admitted together (their blocks, and one to spare each, in the pool)."""
+        and are admitted together (`blocks_to_admit`)."""
         largest = {batch_bucket(b): b for b in sizes}
         need = self._blocks_for(length + self.reserve)
         return [b for bucket, b in largest.items() if bucket * length <= self.config.max_prefill_tokens
-                and b * (need + 1) <= self.pool.allocator.num_free]
+                and blocks_to_admit(need, b) <= self.pool.allocator.num_free]
 
     def _warm_batch_sizes(self) -> list[int]:
         """A batch size for each pair of batch bucket and tree setting a decode step can run, the largest: the buckets
@@ -808,6 +808,12 @@ class Engine:
         else:
             tokens = self.config.cpu_kv_tokens
         return max(tokens // self.config.block_size, 1)
+
+
+def blocks_to_admit(need: int, batch: int) -> int:
+    """The free blocks that admit `batch` requests of `need` blocks each together: the i-th (from 0) is admitted beside
+    i running requests only with a block to spare for each (`Engine._admissible`)."""
+    return batch * need + batch - 1
 
 
 def step_reserve(trees: list[TreeShape]) -> int:

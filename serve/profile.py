@@ -42,7 +42,7 @@ from eyas.common.profiling import Idle, KernelKind, idle_time, per_step, work_in
 from eyas.common.target import default_dtype
 
 from .autotune import format_setting
-from .bench import EAGLE3_DRAFT_VOCAB, GREEDY, add_draft_vocab_argument, random_head, warm_engine
+from .bench import GREEDY, add_draft_vocab_argument, random_head, warm_engine
 from .commands import (
     add_device_argument,
     add_engine_arguments,
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                       "the phase profile runs each step alone (its phases timed between syncs); --idle overlaps them")
     options = engine_options(parser, args)
     target = random_target(args.arch, default_dtype(args.device), args.device)
-    head = random_head(target, args.draft_vocab or EAGLE3_DRAFT_VOCAB)
+    head = random_head(target, args.draft_vocab)
     prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
     unit = "kernels" if args.device.startswith("cuda") else "operators"
     for shape in args.trees:

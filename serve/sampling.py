@@ -122,9 +122,10 @@ class SamplingRows:
                    any(p.greedy for p in plist))
 
 
-# The most logits `draw` turns into probabilities at once. Each takes about 30 bytes of temporaries there (float32
-# probabilities filtered and renormalised, the float64 CDF): a 48-node tree's verification at 64 requests over a 128k
-# vocabulary, drawn whole, ran an H100 out of memory while serve-eagle warmed up (docs/perf.md, sixtieth entry).
+# The most logits `draw` turns into probabilities at once. Each takes about 30 bytes of temporaries there, by the
+# code (float32 probabilities filtered and renormalised, the float64 CDF): a 48-node tree's verification at 64
+# requests over a 128k vocabulary, drawn whole, ran an H100 out of memory while serve-eagle warmed up (docs/perf.md,
+# sixtieth entry).
 DRAW_ENTRIES = 1 << 25
 
 
