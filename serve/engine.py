@@ -331,7 +331,8 @@ class Engine:
         verifies in a graph of its own: `_verification`); then for each other length bucket, prompts of it at each
         batch bucket whose prefill step holds them and whose blocks the pool has (`_prefill_warm_sizes`), greedy and
         sampled alike (`_prefill`'s graphs, each sampling the first tokens its way: captured while serving, a batch's
-        first long prefill waited 0.05-0.9 s, docs/perf.md, sixtieth entry). The CUDA graphs are captured and the
+        first long prefill waited 0.05-0.9 s; warmed, as long as its next within 1.5 ms: docs/perf.md, sixtieth and
+        sixty-first entries). The CUDA graphs are captured and the
         kernels compiled before a request waits for them: seconds, which the first requests would otherwise pay.
         `params`: a run's own setting, warmed up as well where it samples (eval-eagle's, which may filter by top-k).
         Leaves no request and every block free. `progress`: a bar on stderr, a step per batch size and per length."""
