@@ -65,7 +65,7 @@ from .cuda_graphs import replay_ms
 from .draft import TreeShape
 from .engine import Engine, EngineConfig, Request, blocks_to_admit, step_reserve
 from .evaluate import load_questions
-from .sampling import SamplingParams
+from .sampling import SamplingParams, for_prompt
 
 OFF_WITH_HEAD = "off+head"  # the setting label of speculation off with the head kept current (`warm_engine`)
 
@@ -179,7 +179,13 @@ def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: Sa
                  ) -> list[Request]:
     """Generation for every prompt, `batch_size` at a time."""
     return [r for i in range(0, len(prompts), batch_size)
-            for r in engine.generate(prompts[i:i + batch_size], params, max_new_tokens)]
+            for r in engine.generate(prompts[i:i + batch_size], each_prompt(params, prompts[i:i + batch_size]),
+                                     max_new_tokens)]
+
+
+def each_prompt(params: SamplingParams, prompts: list[list[int]]) -> list[SamplingParams]:
+    """The run's `params` for each prompt: a seeded run's with the prompt's own seed (`sampling.for_prompt`)."""
+    return [for_prompt(params, p) for p in prompts]
 
 
 def run_settings(target, head, settings: list[tuple[TreeShape | None, bool]], prompts, max_new_tokens, batch_size,
@@ -224,7 +230,7 @@ def _result(engine: Engine, shape: TreeShape | None, head_kept: bool, timed: lis
     tau = generated / max(verifications, 1) if shape else 1.0  # none when every request stops at its prefill
     served_ms = _served_step_ms(engine, batch, max_new_tokens, params)
     engine.profile, engine.decode_steps = True, 0
-    engine.generate(batch, params, max_new_tokens)
+    engine.generate(batch, each_prompt(params, batch), max_new_tokens)
     t, steps = engine.timings, max(engine.decode_steps, 1)
     speeds = [run[0] for run in timed]
     return Result(
@@ -240,7 +246,8 @@ def _served_step_ms(engine: Engine, batch: list[list[int]], max_new_tokens: int,
     """`batch` generated as a server runs it, each decode step queued while the last one runs, timed from the end
     of its prefills (one sync there, one at the end) -> ms a decode step. The phase split's syncs stop the host's
     work from overlapping the device's; this is the step that tokens/s pays, without the prefill."""
-    requests = [engine.add_request(p, params, max_new_tokens) for p in batch]
+    requests = [engine.add_request(p, q, max_new_tokens)
+                for p, q in zip(batch, each_prompt(params, batch), strict=True)]
     while not all(r.output for r in requests):  # prefill steps come before any decode step
         engine.step()
     _sync(engine.device)
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trees", type=tree_setting, nargs="+",
                         default=[TreeShape(7, 1, 8), TreeShape(5, 4, 8), TreeShape(6, 8, 48)],
                         help="num_steps,topk,num_draft_tokens settings (default: 7,1,8 5,4,8 6,8,48)")
-    add_sampling_arguments(parser)  # above 0 each seed comes from torch's generator: τ varies from run to run
+    add_sampling_arguments(parser)  # above 0 without --seed each request draws a seed: τ varies from run to run
     parser.add_argument("--compare-hf", action="store_true", help="also time Hugging Face generate (batch 1)")
     parser.add_argument("--autotune", type=Path, help="write the fastest setting per batch size to this JSON")
     parser.add_argument("--json", type=Path, help="write every result to this JSON")

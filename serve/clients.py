@@ -19,7 +19,7 @@ from eyas.data.conversations import Conversation
 from eyas.data.tokenizer import render_chat, stop_token_ids
 
 from .engine import Engine, Request
-from .sampling import SamplingParams
+from .sampling import SamplingParams, for_prompt
 from .text import decode_text
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class EngineClient(Client):
             handle = object()
             self.refused.append(handle)
             return handle
-        request = self.engine.add_request(ids, self.params, budget, self.stops)
+        request = self.engine.add_request(ids, for_prompt(self.params, prompt), budget, self.stops)
         self.pending.append(request)
         return request
 
@@ -96,17 +96,18 @@ class EndpointError(RuntimeError):
 
 
 class EndpointClient(Client):
-    """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt. A running
-    `serve-eagle` also reports acceptance (its responses' `eyas.accepted_per_step`); other servers give the
-    texts and token counts only. A prompt too long for the server's context (HTTP 400 that says so: `_too_long`) is
-    refused here too, with a warning; any other failure raises. A reply whose content is null is an empty answer.
+    """Through an OpenAI-compatible endpoint, one concurrent HTTP request per pending prompt (a seeded run's with the
+    prompt's seed: `sampling.for_prompt`). A running `serve-eagle` also reports acceptance (its responses'
+    `eyas.accepted_per_step`); other servers give the texts and token counts only. A prompt too long for the server's
+    context (HTTP 400 that says so: `_too_long`) is refused here too, with a warning; any other failure raises. A reply
+    whose content is null is an empty answer.
     `model` None: the first model the endpoint lists (serve-eagle serves one)."""
 
     def __init__(self, base_url: str, model: str | None, params: SamplingParams, max_new_tokens: int,
                  transport=None):
         import httpx
 
-        self.base_url = base_url
+        self.base_url, self.params = base_url, params
         self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=600, transport=transport)
         self.body = {"model": model or self._served_model(), "max_tokens": max_new_tokens,
                      "temperature": params.temperature, "top_p": params.top_p}
@@ -133,7 +134,10 @@ class EndpointClient(Client):
         return model
 
     def _one(self, prompt: Conversation) -> Answer | None:
-        response = self._request("POST", "/chat/completions", json={**self.body, "messages": prompt})
+        body = {**self.body, "messages": prompt}
+        if (seed := for_prompt(self.params, prompt).seed) is not None:  # a seeded run's; else the server draws one
+            body["seed"] = seed
+        response = self._request("POST", "/chat/completions", json=body)
         # Only a prompt too long for the context is skipped: any other 400 (settings, a malformed conversation)
         # would fail every prompt alike.
         if response.status_code == 400 and _too_long(error := _error(response)):

@@ -3,7 +3,7 @@ sampling flags, and loading a target with its tokenizer and draft head.
 
     add_tree_arguments(parser, TreeShape(7, 1, 8))      # --num-steps, --topk, --num-draft-tokens
     tree = tree_shape(parser, parser.parse_args())      # an impossible tree is a usage error
-    add_sampling_arguments(parser)                      # --temperature, --top-p, --top-k
+    add_sampling_arguments(parser)                      # --temperature, --top-p, --top-k, --seed
     params = sampling_params(parser, args)              # a bad value is a usage error naming its flag
     parser.add_argument("--trees", type=tree_setting, nargs="+")   # settings such as 7,1,8 or off
     target, head, tokenizer, path = load_models("smollm2-135m-instruct", "runs/quickstart/final", device="cuda")
@@ -127,8 +127,9 @@ def tree_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tre
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, top_k: bool = True) -> None:
-    """--temperature, --top-p and (with `top_k`) --top-k of every request; read them with `sampling_params`. A tool
-    with the tree's --topk leaves --top-k out: one letter apart, each would be taken for the other."""
+    """--temperature, --top-p, (with `top_k`) --top-k and --seed of every request; read them with `sampling_params`
+    (whose seed is the run's: each prompt's comes from it and the prompt, `sampling.for_prompt`). A tool with the
+    tree's --topk leaves --top-k out: one letter apart, each would be taken for the other."""
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every request (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0,
@@ -138,21 +139,26 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, top_k: bool = True) 
                             help="most likely tokens every sampled request keeps (default 0: off; needs --temperature)")
     else:
         parser.set_defaults(top_k=0)
+    parser.add_argument("--seed", type=int, help="seed of a sampled run: each prompt draws with a seed made from this "
+                        "one and the prompt, so that a rerun, or the run with speculation on or off, samples the same "
+                        "text (up to rounding); default: a fresh seed each request, each run samples anew")
 
 
 def sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SamplingParams:
-    """The SamplingParams of `add_sampling_arguments`' flags. A value SamplingParams rejects, or a filter without a
-    temperature (greedy decoding would ignore it), is a usage error naming the flag."""
+    """The SamplingParams of `add_sampling_arguments`' flags. A value SamplingParams rejects, or a filter or seed
+    without a temperature (greedy decoding would ignore it), is a usage error naming the flag."""
     for flag, value in (("--temperature", dict(temperature=args.temperature)), ("--top-p", dict(top_p=args.top_p)),
-                        ("--top-k", dict(top_k=args.top_k))):
+                        ("--top-k", dict(top_k=args.top_k)), ("--seed", dict(seed=args.seed))):
         try:
             SamplingParams(**value)
         except ValueError as e:
             parser.error(f"{flag}: {e}")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if params.greedy and (params.top_p < 1 or params.top_k > 0):
         filters = "--top-p and --top-k filter" if "--top-k" in parser._option_string_actions else "--top-p filters"
         parser.error(f"{filters} sampled tokens: set --temperature above 0 (0 decodes greedily)")
+    if params.greedy and params.seed is not None:
+        parser.error("--seed seeds sampled tokens: set --temperature above 0 (0 decodes greedily, drawing nothing)")
     return params
 
 

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--output {args.output}: a file; give a directory for the reports")
     if not questions:
         parser.error(f"--bench {args.bench}: no questions")
-    settings = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+    settings = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
                 "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency}
     if args.endpoint:
         try:

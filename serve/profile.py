@@ -56,7 +56,7 @@ from .commands import (
 )
 from .draft import TreeShape
 from .engine import step_reserve
-from .sampling import SamplingParams
+from .sampling import SamplingParams, for_prompt
 
 PHASES = ("draft", "verify", "accept")
 
@@ -138,11 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     options = engine_options(parser, args)
     target = random_target(args.arch, default_dtype(args.device), args.device)
     head = random_head(target, args.draft_vocab)
-    prompt = torch.randint(0, target.config.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, target.config.vocab_size, (args.input_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
     unit = "kernels" if args.device.startswith("cuda") else "operators"
     for shape in args.trees:
         setting = f"{args.arch} {format_setting(shape)}"
-        work = (target, head, shape, prompt.tolist(), args.new_tokens, params)
+        work = (target, head, shape, prompt, args.new_tokens, for_prompt(params, prompt))
         if args.idle:
             print_idle(setting, *idle_setting(*work, **options), args.top)
         else:

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -53,6 +55,18 @@ def request_seed(params: SamplingParams) -> int:
     if params.greedy:
         return 0
     return params.seed if params.seed is not None else int(torch.randint(-(2**63), 2**63 - 1, ()))
+
+
+def for_prompt(params: SamplingParams, prompt: object) -> SamplingParams:
+    """A run's `params` for one of its prompts (a conversation or token ids: whatever JSON writes). With a run seed
+    (the tools' --seed) the prompt gets a seed of its own, the first 8 bytes of SHA-256 over both: each prompt draws
+    other numbers, and draws them again whenever the run is repeated, with speculation on or off, at any batch size or
+    concurrency, in-process or through an endpoint (draws are keyed to the seed and position: `position_uniforms`).
+    Without a seed, or greedy, `params` as they are."""
+    if params.seed is None or params.greedy:
+        return params
+    digest = hashlib.sha256(json.dumps([params.seed, prompt], sort_keys=True).encode()).digest()
+    return replace(params, seed=int.from_bytes(digest[:8], "little", signed=True))
 
 
 def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

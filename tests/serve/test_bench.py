@@ -14,6 +14,7 @@ from eyas.serve.autotune import format_setting, read_autotune, setting_for
 from eyas.serve.bench import OFF_WITH_HEAD, Result, generate_all, main, random_head, warm_engine
 from eyas.serve.draft import TreeShape
 from eyas.serve.engine import Engine
+from eyas.serve.sampling import SamplingParams, for_prompt
 
 
 def test_bench_tiny_random(tmp_path, capsys):
@@ -117,7 +118,22 @@ def test_bench_at_a_temperature_samples(monkeypatch, capsys):
                                 for params in decode_steps for p in params)
 
 
+def test_a_seeded_bench_draws_each_prompt_with_its_own_seed_in_every_run(monkeypatch):
+    """The untimed, timed, served and phase runs all draw a prompt with the seed `for_prompt` gives it."""
+    added = []  # (prompt, seed) of every request
+    add_request = Engine.add_request
+    monkeypatch.setattr(Engine, "add_request", lambda self, prompt, params, *args: added.append(
+        (tuple(prompt), params.seed)) or add_request(self, prompt, params, *args))
+    main(["--random-weights", "--arch", "tiny", "--input-len", "16", "--output-len", "4", "--batch-sizes", "2",
+          "--trees", "2,2,4", "--temperature", "0.9", "--seed", "5", "--repeats", "2", "--device", "cpu"])
+    run = SamplingParams(temperature=0.9, seed=5)
+    prompts = {prompt for prompt, _ in added}
+    assert len(prompts) == 2 and len(added) >= 2 * 2 * 5  # off and the tree: untimed, 2 timed, served, phases
+    assert all(seed == for_prompt(run, list(prompt)).seed for prompt, seed in added)
+
+
 @pytest.mark.parametrize("args, words", [(["--output-len", "1"], "--output-len must be at least 2, got 1"),
+                                         (["--seed", "3"], "--seed seeds sampled tokens: set --temperature above 0"),
                                          (["--temperature", "0.7", "--compare-hf"], "--compare-hf times Hugging "
                                           "Face's greedy generate: leave --temperature at 0"),
                                          (["--draft", "head", "--compare-hf"],

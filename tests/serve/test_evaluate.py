@@ -13,8 +13,10 @@ from eyas.common.head_checkpoint import save_eagle3
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.target import TargetModel
 from eyas.serve.clients import EndpointClient, EngineClient
+from eyas.serve.draft import TreeShape
+from eyas.serve.engine import Engine, EngineConfig
 from eyas.serve.evaluate import acceptance_stats, evaluate, load_questions, main
-from eyas.serve.sampling import SamplingParams
+from eyas.serve.sampling import SamplingParams, for_prompt
 from tests.conftest import make_hf_model
 
 
@@ -159,6 +161,28 @@ def test_a_baseline_answers_only_what_the_speculative_engine_can(smollm2_tokeniz
                               room_of=SimpleNamespace(room=lambda n, room_on=room_on: room_on))
         client.submit([{"role": "user", "content": "Hi"}])
         assert added == expected and len(client.refused) == (not expected)
+
+
+def test_a_seeded_run_answers_alike_with_speculation_or_without(tmp_path, smollm2_tokenizer):
+    """With a run seed each prompt samples the same answer again, with speculation on or off, answered together or
+    one at a time; another run seed samples other answers."""
+    make_hf_model("llama", vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=4).save_pretrained(tmp_path)
+    target = TargetModel.from_pretrained(tmp_path)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, 512))
+    head.set_hot_vocab(HotVocab.from_counts(target.lm_head_weight.abs().sum(1), 512))
+    on = Engine(target, head, EngineConfig(tree=TreeShape(3, 2, 5), num_blocks=64))
+    off = Engine(target, None, EngineConfig(speculative=False, num_blocks=64))
+    prompts = [[{"role": "user", "content": text}] for text in ("Hi", "Name a colour.", "Count to three.")]
+
+    def texts(engine: Engine, seed: int, together: bool = True) -> list[str]:
+        client = EngineClient(engine, smollm2_tokenizer, SamplingParams(temperature=1.0, seed=seed), 12)
+        answers = client.answer(prompts) if together else [client.answer([p])[0] for p in prompts]
+        return [a.text for a in answers]
+
+    sampled = texts(on, 3)
+    assert texts(off, 3) == sampled and texts(on, 3, together=False) == sampled and len(set(sampled)) == 3
+    assert texts(on, 4) != sampled
 
 
 @pytest.mark.parametrize("tree, flag", [(["--num-steps", "3"], "--num-draft-tokens 8"),  # a chain of 3 holds 4
@@ -341,6 +365,26 @@ def test_endpoint_requests_carry_the_sampling_parameters():
     assert (plain.body["temperature"], plain.body["top_p"], "top_k" in plain.body) == (0.7, 0.9, False)
     filtered = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0.7, top_k=20), 8, models)
     assert filtered.body["top_k"] == 20
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, seed=5)])
+def test_endpoint_requests_of_a_seeded_run_carry_each_prompt_s_seed(params):
+    """A seeded run sends each prompt's seed (`for_prompt`), as the in-process client draws with; an unseeded one
+    sends none, and the server draws one a request."""
+    sent = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "served"}]})
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=ANSWER)
+
+    client = EndpointClient("http://fake/v1", None, params, 8, httpx.MockTransport(handle))
+    prompts = [[{"role": "user", "content": "One"}], [{"role": "user", "content": "Two"}]]
+    client.answer(prompts)
+    seeds = {body["messages"][0]["content"]: body.get("seed") for body in sent}
+    assert seeds == {p[0]["content"]: for_prompt(params, p).seed for p in prompts}
+    assert (None in seeds.values()) == (params.seed is None)
 
 
 def test_endpoint_refusing_a_prompt_skips_it(caplog):

@@ -11,6 +11,7 @@ from eyas.serve.sampling import (
     TORCH_PROBS,
     SamplingParams,
     SamplingRows,
+    for_prompt,
     nucleus_floor,
     position_uniforms,
     sample,
@@ -241,6 +242,20 @@ def random_trees(B=64, N=12, vocab=8, seed=0):
 def seeded(B: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """B requests' seeds (0, 1, ...) and their trees' node positions, past a 100-token prefix."""
     return torch.arange(B), 100 + depths(parents)
+
+
+def test_a_seeded_run_gives_each_prompt_a_seed_of_its_own():
+    """`for_prompt`: a prompt's seed repeats for the same run seed and prompt (token ids or a conversation), and moves
+    with either; the other fields stay; an unseeded or greedy run's params pass through."""
+    run = SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=7)
+    conversation = [{"role": "user", "content": "Hi"}]
+    seeds = {str(prompt): for_prompt(run, prompt).seed for prompt in ([1, 2, 3], [1, 2, 4], conversation)}
+    assert len(set(seeds.values())) == 3 and 7 not in seeds.values()
+    assert for_prompt(run, [1, 2, 3]) == SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=seeds["[1, 2, 3]"])
+    assert for_prompt(run, [{"content": "Hi", "role": "user"}]).seed == seeds[str(conversation)]  # keys in any order
+    assert for_prompt(SamplingParams(temperature=0.8, seed=8), [1, 2, 3]).seed != seeds["[1, 2, 3]"]
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=0, seed=7)):
+        assert for_prompt(params, [1, 2, 3]) is params
 
 
 def test_temperature_zero_sampling_equals_greedy():
