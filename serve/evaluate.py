@@ -20,6 +20,10 @@ Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
   tokens/s       output tokens over wall time, speculation on and off; speedup = on / off
   skipped        prompts refused (no room in the context to answer them), each with a warning; their
                  questions end there
+  same_answers   share of the answers (turns) that speculation gave as the baseline did, where the run repeats
+                 (greedy, or sampled with --seed): lossless speculation gives the same text up to floating-point
+                 rounding, which in bf16 can move an argmax or a draw at a near tie, and a turn after a changed
+                 answer follows another conversation
 Worked example: verifications accepting [2, 0, 3, 1] draft tokens -> τ = (3+1+4+2)/4 = 2.5;
 reach = [3/4, 2/4, 1/4]; accept_rate = [3/4, 2/3, 1/2].
 """
@@ -182,6 +186,7 @@ def write_report(output: Path, report: dict, stats: Acceptance) -> None:
         f"| tokens/s, speculation on | {report['tokens_per_s']:.1f} |",
         f"| tokens/s, speculation off | {_fmt(report['tokens_per_s_off'], '.1f')} |",
         f"| speedup | {_fmt(report['speedup'], '.2f')} |",
+        f"| answers the same as the baseline's | {_fmt(report['same_answers'], '.1%')} |",
     ]
     rows += ["", "| position | accept rate | reach |", "|---|---|---|"]
     rows += [f"| {i + 1} | {a:.3f} | {r:.3f} |" for i, (a, r) in enumerate(zip(stats.accept_rate, stats.reach,
@@ -216,10 +221,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def evaluate(questions, client_on: Client, client_off: Client | None, depth: int, bench: str,
-             settings: dict, concurrency: int = 1, measured=None) -> tuple[dict, Acceptance]:
+             settings: dict, concurrency: int = 1, measured=None, repeatable: bool = True) -> tuple[dict, Acceptance]:
     """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps. measured(report,
     stats), when given, is called with the speculative run's report before the baseline starts (so its failure loses
-    nothing), and again with the baseline's figures added."""
+    nothing), and again with the baseline's figures added. `repeatable`: the answers are the sampling's own (greedy
+    or seeded), so that the two runs' may be compared (`same_answers`)."""
     spec = run_questions(client_on, questions, "speculation on", concurrency)
     stats = acceptance_stats([a for q in spec.accepted for a in q], depth)
     report = {
@@ -231,6 +237,7 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
         "tokens_per_s": spec.tokens_per_s,
         "tokens_per_s_off": None,
         "speedup": None,
+        "same_answers": None,
         "per_question": [
             {"turns": len(a), "new_tokens": n, "verifications": len(acc), "accepted": acc, "skipped": skip}
             for a, n, acc, skip in zip(spec.answers, spec.new_tokens, spec.accepted, spec.skipped, strict=True)
@@ -242,6 +249,10 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
         base = run_questions(client_off, questions, "speculation off", concurrency)
         report["tokens_per_s_off"] = base.tokens_per_s
         report["speedup"] = spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        pairs = [pair for on, off in zip(spec.answers, base.answers, strict=True)  # the turns both answered
+                 for pair in zip(on, off, strict=False)]
+        if repeatable and pairs:
+            report["same_answers"] = sum(on == off for on, off in pairs) / len(pairs)
         if measured:
             measured(report, stats)
     return report, stats
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
-                                 args.concurrency, write)
+                                 args.concurrency, write, repeatable=params.greedy or params.seed is not None)
     except EndpointError as e:  # a server gone or failing mid-run
         kept = f" (the speculative run's report is in {args.output})" if written else ""
         raise SystemExit(f"eval-eagle: error: {e}{kept}") from None

@@ -217,6 +217,10 @@ def test_eval_eagle_end_to_end(tmp_path, smollm2_tokenizer, capsys):
     main(args + ["--output", str(tmp_path / "together"), "--concurrency", "2", "--no-baseline"])
     together = json.loads((tmp_path / "together/report.json").read_text())
     assert together["per_question"] == report["per_question"] and together["tokens_per_s_off"] is None
+    assert report["same_answers"] == 1 and together["same_answers"] is None  # greedy: speculation changed no answer
+    main(args + ["--output", str(tmp_path / "sampled"), "--temperature", "1", "--seed", "2"])
+    sampled = json.loads((tmp_path / "sampled/report.json").read_text())
+    assert sampled["same_answers"] == 1 and sampled["seed"] == 2  # seeded, the draws are the same with or without
     assert report["questions"] == 3 and [q["turns"] for q in report["per_question"]] == [1, 2, 0]
     assert report["skipped"] == 1 and [q["skipped"] for q in report["per_question"]] == [False, False, True]
     assert report["verifications"] == sum(q["verifications"] for q in report["per_question"]) > 0
@@ -252,9 +256,11 @@ ANSWER = {"choices": [{"message": {"role": "assistant", "content": "ok"}}], "usa
           "eyas": {"accepted_per_step": [1]}}  # serve-eagle's: 2 tokens, 1 draft token accepted
 
 
-def fake_endpoint(errors: dict[str, tuple[int, dict]], answer: dict = ANSWER) -> tuple[EndpointClient, list[str]]:
-    """An EndpointClient whose server answers every prompt `answer`, except the prompts in `errors` (by their last
-    turn), answered (status, error object); and the last turns it was sent."""
+def fake_endpoint(errors: dict[str, tuple[int, dict]], answer: dict = ANSWER, texts: dict[str, str] | None = None
+                  ) -> tuple[EndpointClient, list[str]]:
+    """An EndpointClient whose server answers every prompt `answer` (with the content `texts` gives its last turn, if
+    any), except the prompts in `errors` (by their last turn), answered (status, error object); and the last turns it
+    was sent."""
     sent = []
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -266,6 +272,8 @@ def fake_endpoint(errors: dict[str, tuple[int, dict]], answer: dict = ANSWER) ->
         if prompt in errors:
             status, error = errors[prompt]
             return httpx.Response(status, json={"error": {"type": "invalid_request_error", "code": None, **error}})
+        if prompt in (texts or {}):
+            return httpx.Response(200, json={**answer, "choices": [{"message": {"content": texts[prompt]}}]})
         return httpx.Response(200, json=answer)
 
     client = EndpointClient("http://fake/v1", None, SamplingParams(temperature=0), 8, httpx.MockTransport(handle))
@@ -296,6 +304,17 @@ def test_a_run_whose_every_prompt_was_refused_has_no_speedup():
     client_off, _ = fake_endpoint({"One": (400, too_long)})
     report, _ = evaluate([["One"]], client_on, client_off, depth=3, bench="fake", settings={})
     assert report["skipped"] == 1 and report["tokens_per_s_off"] == 0 and report["speedup"] is None
+
+
+@pytest.mark.parametrize("repeatable", [True, False])
+def test_same_answers_counts_the_turns_both_runs_answered_alike(repeatable):
+    """Of three questions' four answered turns (the third question refused on both sides) the baseline answers one
+    otherwise: 3/4 the same. A sampled run without a seed compares nothing."""
+    refused = {"Three": (400, {"code": "context_length_exceeded", "message": "long"})}
+    client_on, client_off = fake_endpoint(refused)[0], fake_endpoint(refused, texts={"Two": "another answer"})[0]
+    report, _ = evaluate([["One", "Again"], ["Two"], ["Three"], ["Four"]], client_on, client_off, depth=3,
+                         bench="fake", settings={}, repeatable=repeatable)
+    assert report["skipped"] == 1 and report["same_answers"] == (0.75 if repeatable else None)
 
 
 def test_a_failing_baseline_keeps_the_speculative_report(tmp_path, monkeypatch, capsys):
