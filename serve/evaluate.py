@@ -221,7 +221,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def evaluate(questions, client_on: Client, client_off: Client | None, depth: int, bench: str,
-             settings: dict, concurrency: int = 1, measured=None, repeatable: bool = True) -> tuple[dict, Acceptance]:
+             settings: dict, concurrency: int = 1, measured=None, repeatable: bool = False) -> tuple[dict, Acceptance]:
     """Runs the questions with speculation on and (when given) off; `depth` is the tree's num_steps. measured(report,
     stats), when given, is called with the speculative run's report before the baseline starts (so its failure loses
     nothing), and again with the baseline's figures added. `repeatable`: the answers are the sampling's own (greedy
