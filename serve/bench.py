@@ -150,7 +150,7 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def warm_engine(target, head, shape: TreeShape | None, prompts, max_new_tokens, batch_size,
-                params: SamplingParams = GREEDY, head_kept: bool = False, **options) -> Engine:
+                params: SamplingParams | list[SamplingParams] = GREEDY, head_kept: bool = False, **options) -> Engine:
     """An engine for one setting (speculation off when `shape` is None; with `head_kept` the head is still loaded
     and extended over the prompts, as an autotuned server runs a batch size whose setting is off) with KV room
     for `batch_size` of `prompts` and `max_new_tokens` each, admitted together (`blocks_to_admit`: else a batch
@@ -175,17 +175,18 @@ def batch_prompt_count(batch_size: int, num_prompts: int) -> int:
     return batch_size * -(-num_prompts // batch_size)
 
 
-def generate_all(engine: Engine, prompts, max_new_tokens, batch_size, params: SamplingParams = GREEDY
-                 ) -> list[Request]:
-    """Generation for every prompt, `batch_size` at a time."""
+def generate_all(engine: Engine, prompts, max_new_tokens, batch_size,
+                 params: SamplingParams | list[SamplingParams] = GREEDY) -> list[Request]:
+    """Generation for every prompt, `batch_size` at a time (`params`: the run's, or each prompt's: `each_prompt`)."""
+    params = each_prompt(params, prompts)
     return [r for i in range(0, len(prompts), batch_size)
-            for r in engine.generate(prompts[i:i + batch_size], each_prompt(params, prompts[i:i + batch_size]),
-                                     max_new_tokens)]
+            for r in engine.generate(prompts[i:i + batch_size], params[i:i + batch_size], max_new_tokens)]
 
 
-def each_prompt(params: SamplingParams, prompts: list[list[int]]) -> list[SamplingParams]:
-    """The run's `params` for each prompt: a seeded run's with the prompt's own seed (`sampling.for_prompt`)."""
-    return [for_prompt(params, p) for p in prompts]
+def each_prompt(params: SamplingParams | list[SamplingParams], prompts: list[list[int]]) -> list[SamplingParams]:
+    """The run's `params` for each prompt: a seeded run's with the prompt's own seed (`sampling.for_prompt`); a list
+    (each prompt's already) as it is. `run_settings` makes it once, so that no timed run hashes the prompts."""
+    return params if isinstance(params, list) else [for_prompt(params, p) for p in prompts]
 
 
 def run_settings(target, head, settings: list[tuple[TreeShape | None, bool]], prompts, max_new_tokens, batch_size,
@@ -200,6 +201,7 @@ def run_settings(target, head, settings: list[tuple[TreeShape | None, bool]], pr
     one setting at a time otherwise, the least memory. `options`: further EngineConfig fields. -> a Result a setting,
     in order."""
     groups = [settings] if repeats > 1 else [[setting] for setting in settings]
+    params = each_prompt(params, prompts)
     return [result for group in groups for result in _run_group(target, head, group, prompts, max_new_tokens,
                                                                   batch_size, params, repeats, **options)]
 
@@ -219,18 +221,19 @@ def _run_group(target, head, group, prompts, max_new_tokens, batch_size, params,
     for _ in range(repeats):
         for engine, timed in zip(engines, runs, strict=True):
             timed.append(_timed_run(engine, prompts, max_new_tokens, batch_size, params))
-    return [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens, params)
+    return [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens, params[:batch_size])
             for (shape, head_kept), engine, peak, timed in zip(group, engines, peaks, runs, strict=True)]
 
 
 def _result(engine: Engine, shape: TreeShape | None, head_kept: bool, timed: list[tuple[float, int, int]],
-            peak_gib: float, batch: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Result:
-    """A setting's Result from its timed runs (`_timed_run`'s) and a run of `batch` with each phase timed."""
+            peak_gib: float, batch: list[list[int]], max_new_tokens: int, params: list[SamplingParams]) -> Result:
+    """A setting's Result from its timed runs (`_timed_run`'s) and a run of `batch` (each prompt with its `params`)
+    with each phase timed."""
     generated, verifications = sum(run[1] for run in timed), sum(run[2] for run in timed)
     tau = generated / max(verifications, 1) if shape else 1.0  # none when every request stops at its prefill
     served_ms = _served_step_ms(engine, batch, max_new_tokens, params)
     engine.profile, engine.decode_steps = True, 0
-    engine.generate(batch, each_prompt(params, batch), max_new_tokens)
+    engine.generate(batch, params, max_new_tokens)
     t, steps = engine.timings, max(engine.decode_steps, 1)
     speeds = [run[0] for run in timed]
     return Result(
@@ -242,12 +245,12 @@ def _result(engine: Engine, shape: TreeShape | None, head_kept: bool, timed: lis
     )
 
 
-def _served_step_ms(engine: Engine, batch: list[list[int]], max_new_tokens: int, params: SamplingParams) -> float:
+def _served_step_ms(engine: Engine, batch: list[list[int]], max_new_tokens: int, params: list[SamplingParams]
+                    ) -> float:
     """`batch` generated as a server runs it, each decode step queued while the last one runs, timed from the end
     of its prefills (one sync there, one at the end) -> ms a decode step. The phase split's syncs stop the host's
     work from overlapping the device's; this is the step that tokens/s pays, without the prefill."""
-    requests = [engine.add_request(p, q, max_new_tokens)
-                for p, q in zip(batch, each_prompt(params, batch), strict=True)]
+    requests = [engine.add_request(p, q, max_new_tokens) for p, q in zip(batch, params, strict=True)]
     while not all(r.output for r in requests):  # prefill steps come before any decode step
         engine.step()
     _sync(engine.device)

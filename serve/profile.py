@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     head = random_head(target, args.draft_vocab)
     prompt = torch.randint(0, target.config.vocab_size, (args.input_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
+    params = for_prompt(params, prompt)
     unit = "kernels" if args.device.startswith("cuda") else "operators"
     for shape in args.trees:
         setting = f"{args.arch} {format_setting(shape)}"
-        work = (target, head, shape, prompt, args.new_tokens, for_prompt(params, prompt))
+        work = (target, head, shape, prompt, args.new_tokens, params)
         if args.idle:
             print_idle(setting, *idle_setting(*work, **options), args.top)
         else:

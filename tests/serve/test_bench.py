@@ -341,7 +341,7 @@ def test_the_served_step_times_overlapping_decode_steps_and_no_prefill(monkeypat
         method = getattr(engine, name)
         monkeypatch.setattr(engine, name, lambda *a, _m=method, _n=name, **kw: events.append(
             (_n, engine.profile)) or _m(*a, **kw))
-    ms = bench._served_step_ms(engine, [[5, 6, 7, 8], [9, 10]], 6, bench.GREEDY)
+    ms = bench._served_step_ms(engine, [[5, 6, 7, 8], [9, 10]], 6, [bench.GREEDY] * 2)
     first, last = events.index("sync"), len(events) - 1
     assert ms > 0 and events[last] == "sync" and events.count("sync") == 2
     assert set(events[:first]) == {("_prefill", False)}
