@@ -53,6 +53,7 @@ from .commands import (
     add_engine_arguments,
     add_sampling_arguments,
     engine_options,
+    frozen_heap,
     given_flags,
     load_models_for,
     refuse_unread,
@@ -218,11 +219,13 @@ def _run_group(target, head, group, prompts, max_new_tokens, batch_size, params,
         engines.append(engine)
         peaks.append((weights + added) / 2**30)
     runs = [[] for _ in group]  # (tokens/s, tokens generated after the prefill, verifications) a timed run
-    for _ in range(repeats):
-        for engine, timed in zip(engines, runs, strict=True):
-            timed.append(_timed_run(engine, prompts, max_new_tokens, batch_size, params))
-    return [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens, params[:batch_size])
-            for (shape, head_kept), engine, peak, timed in zip(group, engines, peaks, runs, strict=True)]
+    with frozen_heap():
+        for _ in range(repeats):
+            for engine, timed in zip(engines, runs, strict=True):
+                timed.append(_timed_run(engine, prompts, max_new_tokens, batch_size, params))
+        return [_result(engine, shape, head_kept, timed, peak, prompts[:batch_size], max_new_tokens,
+                        params[:batch_size])
+                for (shape, head_kept), engine, peak, timed in zip(group, engines, peaks, runs, strict=True)]
 
 
 def _result(engine: Engine, shape: TreeShape | None, head_kept: bool, timed: list[tuple[float, int, int]],

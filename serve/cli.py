@@ -35,6 +35,7 @@ from .commands import (
     add_engine_arguments,
     add_tree_arguments,
     engine_options,
+    frozen_heap,
     given_flags,
     load_models,
     memory_fraction,
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
           + f" on {args.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     # On Ctrl-C: new connections are refused, running requests get 30 s to finish (then they are aborted).
     try:
-        GracefulServer(app, worker, host=args.host, port=args.port).run()
+        with frozen_heap():
+            GracefulServer(app, worker, host=args.host, port=args.port).run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it stopped for again once the server is down
         raise SystemExit(130) from None
 

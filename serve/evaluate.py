@@ -22,8 +22,11 @@ Reports (`report.json`, `report.md`, `acceptance.png`, `tau.png` in --output):
                  questions end there
   same_answers   share of the answers (turns) that speculation gave as the baseline did, where the run repeats
                  (greedy, or sampled with --seed): lossless speculation gives the same text up to floating-point
-                 rounding, which in bf16 can move an argmax or a draw at a near tie, and a turn after a changed
-                 answer follows another conversation
+                 rounding. In bf16 on a GPU the verification's many-row kernels round otherwise than a plain step's
+                 one-row ones, which moves an argmax at a near tie, or a draw near a token's edge, and the answer
+                 goes on from there; a turn after a changed answer follows another conversation. On an H100,
+                 SmolLM2 (bf16), a weak head, 30 MT-bench questions: 18.3% greedy, 0.0% at temperature 1;
+                 random weights in float32: every answer the same (docs/perf.md, sixty-third entry)
 Worked example: verifications accepting [2, 0, 3, 1] draft tokens -> τ = (3+1+4+2)/4 = 2.5;
 reach = [3/4, 2/4, 1/4]; accept_rate = [3/4, 2/3, 1/2].
 """
@@ -53,6 +56,7 @@ from .commands import (
     add_sampling_arguments,
     add_tree_arguments,
     engine_options,
+    frozen_heap,
     given_flags,
     load_models_for,
     memory_fraction,
@@ -348,8 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         written.append(report)
 
     try:
-        report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
-                                 args.concurrency, write, repeatable=params.greedy or params.seed is not None)
+        with frozen_heap():
+            report, stats = evaluate(questions, client_on, client_off, args.num_steps, args.bench, settings,
+                                     args.concurrency, write, repeatable=params.greedy or params.seed is not None)
     except EndpointError as e:  # a server gone or failing mid-run
         kept = f" (the speculative run's report is in {args.output})" if written else ""
         raise SystemExit(f"eval-eagle: error: {e}{kept}") from None

@@ -288,6 +288,15 @@ def test_repeats_time_each_setting_in_rounds_and_report_the_median_run(monkeypat
     assert "spread" in capsys.readouterr().out
 
 
+def test_timed_runs_run_with_the_heap_frozen_and_unfreeze_it(monkeypatch):
+    """No full collection stalls a timed run (`frozen_heap`), and the heap is collectable again after the group."""
+    frozen, timed_run = [], bench._timed_run
+    monkeypatch.setattr(bench, "_timed_run", lambda *args: frozen.append(gc.get_freeze_count()) or timed_run(*args))
+    target = random_target("tiny", torch.float32, "cpu")
+    bench.run_settings(target, None, [(None, False)], [list(range(10, 30))], 4, 1, repeats=2)
+    assert len(frozen) == 2 and min(frozen) > 10_000 and gc.get_freeze_count() == 0
+
+
 def test_a_groups_engines_are_freed_before_the_next_group_reads_the_memory_in_use(monkeypatch):
     """One setting at a time, each engine is gone when the next is built: the memory read then as the weights' (the
     base of a setting's peak) must not hold the last setting's KV and graphs."""

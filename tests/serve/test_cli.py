@@ -198,3 +198,31 @@ def test_a_device_the_machine_lacks_is_a_usage_error_before_anything_loads(main,
     with pytest.raises(SystemExit) as stopped:
         main([*args, "--device", device])
     assert stopped.value.code == 2 and f"argument --device: {words}" in capsys.readouterr().err
+
+
+def test_the_server_runs_with_the_startup_heap_frozen_and_unfreezes_it(monkeypatch):
+    import gc
+
+    import torch
+
+    from eyas.common.architectures import random_target
+    from eyas.serve import api
+
+    target = random_target("tiny", torch.float32, "cpu")
+    monkeypatch.setattr(cli, "load_models", lambda *args: (target, None, None, Path("t")))
+    frozen_while_serving = []
+
+    class Server:
+        def __init__(self, app, worker, host, port):
+            pass
+
+        def run(self):
+            frozen_while_serving.append(gc.get_freeze_count())
+            raise KeyboardInterrupt  # as Ctrl-C ends serving
+
+    monkeypatch.setattr(api, "GracefulServer", Server)
+    monkeypatch.setattr(api, "create_app", lambda worker, tokenizer, name: None)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--speculative", "off", "--device", "cpu", "--target", "t"])
+    assert stopped.value.code == 130
+    assert frozen_while_serving[0] > 10_000 and gc.get_freeze_count() == 0

@@ -1,5 +1,6 @@
 """eval-eagle: acceptance statistics from a hand-built trace, and an end-to-end run on a tiny model."""
 
+import gc
 import json
 from types import SimpleNamespace
 
@@ -331,6 +332,18 @@ def test_a_failing_baseline_keeps_the_speculative_report(tmp_path, monkeypatch, 
     assert "HTTP 500" in str(stopped.value) and f"report is in {tmp_path / 'eval'}" in str(stopped.value)
     report = json.loads((tmp_path / "eval/report.json").read_text())
     assert report["verifications"] == 1 and report["tau"] == 2 and report["speedup"] is None
+
+
+def test_the_questions_are_answered_with_the_heap_frozen_and_it_is_unfrozen_after(tmp_path, monkeypatch):
+    """No full collection stalls the timed answers (`frozen_heap`); the heap is collectable again after them."""
+    monkeypatch.setattr(evaluate_module, "EndpointClient", lambda url, *args: fake_endpoint({})[0])
+    frozen, run = [], evaluate_module.evaluate
+    monkeypatch.setattr(evaluate_module, "evaluate",
+                        lambda *args, **kw: frozen.append(gc.get_freeze_count()) or run(*args, **kw))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"prompt": "One"}\n')
+    main(["--endpoint", "http://on/v1", "--bench", str(questions), "--num-steps", "3", "--output", str(tmp_path / "e")])
+    assert frozen[0] > 10_000 and gc.get_freeze_count() == 0
 
 
 def test_an_endpoint_without_acceptance_statistics_has_no_tau(tmp_path, monkeypatch, caplog):
