@@ -254,8 +254,8 @@ def evaluate(questions, client_on: Client, client_off: Client | None, depth: int
         report["tokens_per_s_off"] = base.tokens_per_s
         report["speedup"] = spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
         pairs = [pair for on, off in zip(spec.answers, base.answers, strict=True)  # the turns both answered
-                 for pair in zip(on, off, strict=False)]
-        if repeatable and pairs:
+                 for pair in zip(on, off, strict=False)] if repeatable else []
+        if pairs:
             report["same_answers"] = sum(on == off for on, off in pairs) / len(pairs)
         if measured:
             measured(report, stats)
