@@ -623,7 +623,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, res, out, partials,
         counters, M, N_out, K, rows.stride(0), res.stride(0), norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
-        HAS_RESIDUAL=residual is not None, NORM=norm is not None, SPLITS=splits,
+        HAS_RESIDUAL=residual is not None, NORM=norm is not None, SQUARES_BY_DOT=block_m < 64, SPLITS=splits,
         PREFETCH=l2_prefetch(N, K, splits, block_k, float8),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device, placement),
@@ -694,18 +694,22 @@ def _split_counters(device: torch.device) -> Tensor:
 @jit
 def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K,
                         stride_x, stride_res, eps, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
-                        PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+                        SQUARES_BY_DOT: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is
     a float8 copy (made x's dtype by `_e4m3_values`) and each output column is scaled by its row's scale_ptr entry
     (`serve/fp8.py`): the products of x and the float8 values are exact in the dot's fp32, and so are the
     power-of-two scales. With HAS_RESIDUAL, out = res [M, N] + that, rounded as the reference's add. With NORM (one
-    split, no float8), x's rows are first normalised by a unit-weight RMSNorm of `eps`: the loop also forms x xᵀ,
-    whose diagonal holds the rows' sums of squares, and the sums are scaled by each row's 1 / RMS before the epilogue
-    (a sum over each chunk's columns instead took two more barriers a chunk, and SmolLM2's steps were no faster).
+    split, no float8), x's rows are first normalised by a unit-weight RMSNorm of `eps`: the loop also sums the rows'
+    squares, and the sums are scaled by each row's 1 / RMS before the epilogue. With SQUARES_BY_DOT (tiles of 16 or
+    32 rows) it forms x xᵀ on the tensor cores, whose diagonal holds them; in a tile of 64 rows it adds x's squares
+    elementwise into [BLOCK_M, BLOCK_K] and sums across once, after the loop. There x xᵀ took as long as the matmul
+    (SmolLM2's four linears of a layer at 64 rows 14.7-14.8 µs against 13.4 with no norm, 14.0-14.2 elementwise;
+    its (8, 8, 64) step 1.11 against 1.13-1.14 ms as served); at 8 and 16 rows elementwise took 3.4 µs a layer more
+    (one H100: docs/perf.md, sixty-fourth entry). A sum over each chunk's columns took two more barriers a chunk.
 
     With SPLITS > 1, program (tile, split) sums one of SPLITS equal runs of K's chunks and writes its sums to
     partials [SPLITS, tiles, 2, BLOCK_M, BLOCK_N]; the tile's last program to arrive (counters_ptr) adds the
@@ -736,9 +740,12 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         res = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL only
-    squares = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)  # NORM only: x xᵀ
+    if SQUARES_BY_DOT:  # NORM only: x xᵀ, whose diagonal holds the rows' sums of squares
+        squares = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
+    else:  # or x's squares, summed over the chunks
+        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE, SILU_MUL,
-                                       NORM)
+                                       NORM, SQUARES_BY_DOT)
     for start in range(begin + BLOCK_K, end, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < end)[None, :]
@@ -746,11 +753,12 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
         acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE,
-                                           SILU_MUL, NORM)
+                                           SILU_MUL, NORM, SQUARES_BY_DOT)
     if NORM:
         tl.static_assert(SPLITS == 1 and not HAS_SCALE, "a folded norm needs all of K in one program, unscaled")
-        squares = tl.sum(tl.where(m[:, None] == m[None, :], squares, 0.0), 1)  # the diagonal [BLOCK_M]
-        rstd = tl.rsqrt(squares / K + eps)[:, None]  # as `_rstd`
+        if SQUARES_BY_DOT:
+            squares = tl.where(m[:, None] == m[None, :], squares, 0.0)
+        rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]  # as `_rstd`
         acc *= rstd
         if SILU_MUL:
             acc_up *= rstd
@@ -820,14 +828,17 @@ def _silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 @jit
 def _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE: tl.constexpr,
-               SILU_MUL: tl.constexpr, NORM: tl.constexpr):
+               SILU_MUL: tl.constexpr, NORM: tl.constexpr, SQUARES_BY_DOT: tl.constexpr):
     """`_rows_matmul_kernel`'s step over the input chunk kk [BLOCK_K] (columns from `end` on masked): acc
     [BLOCK_M, BLOCK_N] += x[:, kk] @ w^T, w [BLOCK_N, BLOCK_K] the chunk's weights (and acc_up with w_up); with NORM,
-    squares [BLOCK_M, BLOCK_M] += x[:, kk] @ x[:, kk]^T. With HAS_SCALE the weights are float8, made x's dtype by
+    squares [BLOCK_M, BLOCK_M] += x[:, kk] @ x[:, kk]^T (SQUARES_BY_DOT), else squares [BLOCK_M, BLOCK_K] += x[:, kk]²
+    (each product exact in fp32 either way). With HAS_SCALE the weights are float8, made x's dtype by
     `_e4m3_values` and x scaled to match (`_e4m3_x`), exactly."""
     x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-    if NORM:
-        squares = tl.dot(x, tl.trans(x), squares)  # each product exact in the dot's fp32
+    if NORM and SQUARES_BY_DOT:
+        squares = tl.dot(x, tl.trans(x), squares)
+    elif NORM:
+        squares += x.to(tl.float32) * x.to(tl.float32)
     if HAS_SCALE:
         w, x = _e4m3_values(w, x.dtype), _e4m3_x(x)
     acc = tl.dot(x, tl.trans(w), acc)

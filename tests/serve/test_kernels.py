@@ -375,12 +375,14 @@ def test_norm_cat_interpreter(interpreter, dtype, rows, n, strided):
 LINEAR_CPU = [(1, 40, 300, True, False, True, False), (1, 66, 1100, False, True, True, False),
               (1, 600, 64, "unit", True, False, False), (1, 33, 2100, False, False, False, True),
               (1, 8, 2500, True, False, False, "donated"), (3, 40, 96, False, False, False, True),
-              (20, 70, 300, False, True, True, False), (4, 40, 1100, False, False, True, True),
+              (20, 70, 300, False, True, True, False), (24, 40, 200, "unit", True, False, True),
+              (4, 40, 1100, False, False, True, True),
               (5, 64, 1300, "unit", True, False, False), (6, 50, 200, False, False, False, "donated"),
               (3, 40, 96, "unit", False, True, False), (1, 24, 4100, True, False, True, True),
               (1, 12, 4096, False, True, False, False), (4, 40, 300, True, True, False, False)]
 # rows, N, K, norm, silu, bias, residual; ragged N and K; past one row, `rows_matmul` (fp16: a folded norm's 1 / RMS
-# in the kernel, or normalised first where K is split, as a whole norm always is) or torch's matmul (fp32: a folded
+# in the kernel, its squares by x xᵀ in a tile of 16 rows, elementwise in one of 64, or normalised first where K is
+# split, as a whole norm always is) or torch's matmul (fp32: a folded
 # norm's 1 / RMS then in SiLU·mul, a donated stream added in place), two with K split over 3 and 4 programs; then one
 # row of a long K in 4 (2 with SiLU·mul) weight rows a program, twice; last, a whole norm before the few-rows kernel
 
