@@ -611,6 +611,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     if norm is not None and (norm[0] is not None or splits > 1 or float8):
         rows, norm = rms_norm(rows, *norm), None
     tiles = triton.cdiv(N_out, block_n)
+    prefetch = l2_prefetch(N, K, splits, block_k, float8)
     out = torch.empty(*x.shape[:-1], N_out, dtype=x.dtype, device=x.device)
     assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
     res = as_rows(residual) if residual is not None else out  # [M, N_out]
@@ -624,7 +625,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         counters, M, N_out, K, rows.stride(0), res.stride(0), norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None, SQUARES_BY_DOT=block_m < 64, SPLITS=splits,
-        PREFETCH=l2_prefetch(N, K, splits, block_k, float8),
+        PREFETCH=prefetch, EARLY_CHUNK=early_first_chunk(block_m, prefetch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device, placement),
     )
@@ -641,6 +642,17 @@ def l2_prefetch(N: int, K: int, splits: int, block_k: int, float8: bool) -> int:
     if float8 or N * K >= ROWS_LARGE_WEIGHT:
         return 0
     return max(64, triton.next_power_of_2(triton.cdiv(triton.cdiv(K, block_k), splits) * block_k))
+
+
+def early_first_chunk(block_m: int, prefetch: int) -> bool:
+    """Whether a `rows_kernel` program loads its first chunk of weights before its wait and sums it ahead of its
+    pipelined loop, or runs every chunk in the loop: the second for a small weight in a tile of 64 rows (its weights
+    asked of L2 before the wait: `l2_prefetch`), whose first chunk ahead of the loop waited on its inputs outside the
+    pipeline. SmolLM2's calls at 64 rows, each weight's 30 layers back to back on an H100: q/k/v 3.27 against 3.61 µs,
+    o 2.68 against 2.81, gate/up 3.95 against 4.11, down 3.92 against 4.08; its (6, 8, 64) step as served 1.02
+    against 1.04 ms, (8, 8, 64) 1.10 against 1.11-1.13. In tiles of 16 rows the loop alone was slower (gate/up at 8
+    rows 3.82 against 3.30 µs: docs/perf.md, sixty-fourth entry)."""
+    return not prefetch or block_m < 64
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
@@ -696,6 +708,7 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
                         stride_x, stride_res, eps, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                         SQUARES_BY_DOT: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+                        EARLY_CHUNK: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
@@ -725,12 +738,13 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     # [BLOCK_N, 1]; rows past N (masked off) at row N - 1, so that no address, not even a prefetch's, leaves w
     w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * K
     x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
-    # The first weight chunk loads before waiting on the kernel before (no kernel writes weights).
-    kk = begin + k
-    ok = n_ok[:, None] & (kk < end)[None, :]
-    w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
-    w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok & SILU_MUL, other=0.0)
-    if PREFETCH:  # and the rest of its weights into L2, so that after the wait the loop's loads wait on L2, not DRAM
+    first = begin  # the loop's first chunk
+    if EARLY_CHUNK:  # the first weight chunk loads before waiting on the kernel before (no kernel writes weights)
+        kk = begin + k
+        ok = n_ok[:, None] & (kk < end)[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+        w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok & SILU_MUL, other=0.0)
+    if PREFETCH:  # the weights into L2, so that after the wait the loop's loads wait on L2, not DRAM
         _weights_to_l2(w_rows, begin, end, PREFETCH)
         if SILU_MUL:
             _weights_to_l2(w_rows + N * K, begin, end, PREFETCH)
@@ -744,14 +758,15 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         squares = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
     else:  # or x's squares, summed over the chunks
         squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE, SILU_MUL,
-                                       NORM, SQUARES_BY_DOT)
-    for start in range(begin + BLOCK_K, end, BLOCK_K):
+    if EARLY_CHUNK:
+        acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE,
+                                           SILU_MUL, NORM, SQUARES_BY_DOT)
+        first = begin + BLOCK_K
+    for start in range(first, end, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < end)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
-        if SILU_MUL:
-            w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0)
+        w_up = tl.load(w_rows + N * K + kk[None, :], mask=ok, other=0.0) if SILU_MUL else w
         acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE,
                                            SILU_MUL, NORM, SQUARES_BY_DOT)
     if NORM:
