@@ -37,8 +37,8 @@ def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     First, one program per (row, chunk of TOP_CHUNK entries) keeps its chunk's k best and its log-sum-exp terms
     [rows, chunks, ·]; then one program per row merges them. Among equal logits the lower index ranks first. Each
     best is one reduction, giving the maximum and its first index: a max and an argmax apart took 7.2 against 6.4 µs
-    for 8 rows of 8,192 logits and 32.3 against 27.4 for 64 of 49,152 (one H100; chunks of 256 to 4,096 at 1 to 8
-    warps no faster than 2,048 at 8: docs/perf.md, sixty-fourth entry)."""
+    for 8 rows of 8,192 logits and 32.3 against 27.4 for 64 of 49,152 (k = 8, one H100: docs/perf.md, sixty-fourth
+    entry)."""
     V = logits.shape[-1]
     assert 1 <= k <= V, f"top {k} of {V} entries"
     if k > TOP_MAX_K:
