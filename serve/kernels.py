@@ -586,9 +586,10 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     benchmark sweeps them, a long call given one placed as one that shares SMs): tensor cores, under programmatic
     dependent launch but for long calls that share SMs where kernels release early (`long_call`; at their served
     launch, long calls on bf16 weights hold whole SMs and release the next kernel early: `whole_sm_call`), the first
-    weights loaded before waiting on the kernel before (and, of a small weight, the rest asked of L2: `l2_prefetch`),
-    SiLU·mul of the output's halves (`silu_mul_output`, a joint gate/up weight: one launch where cuBLAS and `silu_mul`
-    take two) and the residual stream's add in the epilogue, reading the float8 copy `quantized` where given.
+    weights loaded before waiting on the kernel before (but in a small weight's tile of 64 rows: `early_first_chunk`)
+    and a small weight's asked of L2 (`l2_prefetch`), SiLU·mul of the output's halves (`silu_mul_output`, a joint
+    gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the epilogue,
+    reading the float8 copy `quantized` where given.
     Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
     through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an
     unsplit launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM): one launch less. (A
@@ -708,8 +709,8 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
                         stride_x, stride_res, eps, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                         SQUARES_BY_DOT: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-                        EARLY_CHUNK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        EARLY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = x [M, K] @ w [N, K]^T, BLOCK_N output columns a program, all M rows (padded to BLOCK_M). With
     SILU_MUL, w is [2N, K] (gate rows, then up rows) and the program takes BLOCK_N rows of each: out = silu(x @
     gateᵀ) * (x @ upᵀ), rounded where the reference's linear output, F.silu and the product are. With HAS_SCALE, w is

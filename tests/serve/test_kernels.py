@@ -488,6 +488,9 @@ def test_rows_kernel_runs_the_launch_it_is_given(monkeypatch):
     assert (served_options["BLOCK_N"], served_options["BLOCK_K"], served_options["num_stages"],
             served_options["num_warps"]) == served[:4]
     assert served_options["BLOCK_M"] == 16 and options_20["BLOCK_M"] == 64  # `rows_tile`
+    # a small weight's 64-row tile: the norm's squares elementwise, every chunk in the loop (`early_first_chunk`)
+    assert served_options["SQUARES_BY_DOT"] and served_options["EARLY_CHUNK"]
+    assert not options_20["SQUARES_BY_DOT"] and not options_20["EARLY_CHUNK"] and options_20["PREFETCH"]
 
 
 def test_rows_operands_take_large_weights_only_in_long_calls():
