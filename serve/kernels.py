@@ -854,7 +854,8 @@ def _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE:
     if NORM and SQUARES_BY_DOT:
         squares = tl.dot(x, tl.trans(x), squares)
     elif NORM:
-        squares += x.to(tl.float32) * x.to(tl.float32)
+        x32 = x.to(tl.float32)
+        squares += x32 * x32
     if HAS_SCALE:
         w, x = _e4m3_values(w, x.dtype), _e4m3_x(x)
     acc = tl.dot(x, tl.trans(w), acc)

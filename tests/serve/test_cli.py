@@ -1,6 +1,7 @@
 """serve-eagle's arguments: serving recipes map onto its flags, flags given override them, unknown keys fail; the
 sampling flags every tool shares are checked before anything loads."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -201,8 +202,6 @@ def test_a_device_the_machine_lacks_is_a_usage_error_before_anything_loads(main,
 
 
 def test_the_server_runs_with_the_startup_heap_frozen_and_unfreezes_it(monkeypatch):
-    import gc
-
     import torch
 
     from eyas.common.architectures import random_target

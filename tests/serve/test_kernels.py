@@ -382,9 +382,9 @@ LINEAR_CPU = [(1, 40, 300, True, False, True, False), (1, 66, 1100, False, True,
               (1, 12, 4096, False, True, False, False), (4, 40, 300, True, True, False, False)]
 # rows, N, K, norm, silu, bias, residual; ragged N and K; past one row, `rows_matmul` (fp16: a folded norm's 1 / RMS
 # in the kernel, its squares by x xᵀ in a tile of 16 rows, elementwise in one of 64, or normalised first where K is
-# split, as a whole norm always is) or torch's matmul (fp32: a folded
-# norm's 1 / RMS then in SiLU·mul, a donated stream added in place), two with K split over 3 and 4 programs; then one
-# row of a long K in 4 (2 with SiLU·mul) weight rows a program, twice; last, a whole norm before the few-rows kernel
+# split, as a whole norm always is) or torch's matmul (fp32: a folded norm's 1 / RMS then in SiLU·mul, a donated
+# stream added in place), two with K split over 3 and 4 programs; then one row of a long K in 4 (2 with SiLU·mul)
+# weight rows a program, twice; last, a whole norm before the few-rows kernel
 
 
 @pytest.mark.parametrize("case", LINEAR_CPU, ids=_linear_id)
