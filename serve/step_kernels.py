@@ -38,7 +38,10 @@ def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     [rows, chunks, ·]; then one program per row merges them. Among equal logits the lower index ranks first. Each
     best is one reduction, giving the maximum and its first index: a max and an argmax apart took 7.2 against 6.4 µs
     for 8 rows of 8,192 logits and 32.3 against 27.4 for 64 of 49,152 (k = 8, one H100: docs/perf.md, sixty-fourth
-    entry)."""
+    entry). A chunk's programs run 8 warps for a draft's k best, 2 for verification's argmax (k = 1) past one row,
+    whose three reductions a chunk cost less on fewer warps: 64 rows of 49,152 logits 6.6 against 7.6 µs, 48 of
+    128,256 9.5 against 11.9, 512 of 49,152 23.1 against 35.3; but one row (a plain step) took 2.95 against 2.88, so
+    it keeps 8 (one H100: docs/perf.md, sixty-fifth entry)."""
     V = logits.shape[-1]
     assert 1 <= k <= V, f"top {k} of {V} entries"
     if k > TOP_MAX_K:
@@ -49,8 +52,9 @@ def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     best = torch.empty(rows, chunks, k_pow2, dtype=torch.float32, device=device)  # each chunk's k best logits
     where = torch.empty(rows, chunks, k_pow2, dtype=torch.int64, device=device)  # and their vocabulary indices
     maxima, sums = (torch.empty(rows, chunks, dtype=torch.float32, device=device) for _ in range(2))
+    warps = 2 if k == 1 and rows > 1 else 8
     _chunk_top_kernel[(rows, chunks)](x, best, where, maxima, sums, x.stride(0), V, K=k, K_POW2=k_pow2,
-                                      BLOCK=TOP_CHUNK, num_warps=8, **launch_options(x.device))
+                                      BLOCK=TOP_CHUNK, num_warps=warps, **launch_options(x.device))
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     indices = torch.empty(rows, k, dtype=torch.int64, device=device)
     _merge_top_kernel[(rows,)](best, where, maxima, sums, values, indices, chunks, K=k, K_POW2=k_pow2,

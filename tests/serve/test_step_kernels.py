@@ -18,7 +18,7 @@ from tests import triton_interpreter
 from tests.serve.kernel_cases import DTYPES, dtype_id, randn
 
 pytest.importorskip("triton", reason="triton is not installed (the fused kernels are optional)")
-from eyas.serve import step_kernels  # noqa: E402  (needs triton)
+from eyas.serve import hopper_compile, step_kernels  # noqa: E402  (needs triton)
 
 
 def check_top_log_probs(device, dtype, shape, k, ties=False, impl=step_kernels.top_log_probs):
@@ -230,6 +230,7 @@ def check_move_path(device, B, N, T, L=2, Hkv=2, D=8, block_size=4, impl=step_ke
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [((1, 32000), 8, False), ((8, 32000), 8, False), ((64, 8, 32000), 8, True),
                                   ((3, 49152), 10, False), ((2, 1000), 1, True), ((4, 128256), 32, False),
+                                  ((64, 49152), 1, True), ((48, 128256), 1, False),  # verification's argmax
                                   ((2, 500), 40, False)], ids=str)  # k > TOP_MAX_K: the torch path
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_top_log_probs_cuda(dtype, case):
@@ -406,3 +407,12 @@ def _move_one_short(pool, path, num_accepted, n, table, T):
 def test_checks_catch_wrong_kernels(interpreter, check, args):
     """The comparisons can fail: subtly wrong uses of each kernel are caught."""
     triton_interpreter.raises_in_comparison(interpreter, check, *args)
+
+
+@pytest.mark.parametrize("rows, k, warps", [(64, 1, 2), (1, 1, 8), (8, 8, 8)])
+def test_top_log_probs_runs_verification_argmax_on_two_warps(rows, k, warps):
+    """Verification's argmax (k = 1) past one row runs its chunks on 2 warps; a draft's k best, and one row, on 8."""
+    logits = torch.empty(rows, 49152, dtype=torch.bfloat16, device="meta")
+    launches = hopper_compile.recorded_launches(lambda: step_kernels.top_log_probs(logits, k), module=step_kernels)
+    (chunks,) = [launch for launch in launches if launch.kernel == "_chunk_top_kernel"]
+    assert dict(chunks.options)["num_warps"] == warps
