@@ -390,7 +390,7 @@ def with_fp8(table: Fp8Weights) -> Kernels:
     return dataclasses.replace(FUSED, linear=functools.partial(fused_linear, fp8=table))
 
 
-ROWS_MAX = 64  # more rows: cuBLAS
+ROWS_MAX = 64  # more rows: cuBLAS. Also the widest tile of rows (`rows_tile`, `early_first_chunk`, SQUARES_BY_DOT)
 ROWS_FEW = 16  # up to this many rows the kernel reads float8 copies of large weights, and makes long calls; past it
 # small weights take narrow tiles (`rows_launch`)
 ROWS_LARGE_WEIGHT = 1 << 24  # entries from which a weight is large: every weight of an 8B head; of SmolLM2's, its
@@ -543,7 +543,7 @@ def rows_tile(M: int, N: int, K: int) -> int:
     (1.13-1.14 on an H200), as cheap as a 48-node one (docs/perf.md, fifty-ninth entry). Why is not measured (a
     reading: a tile of 32 rows takes half the shared memory, so more of a call's programs share an SM). At a draft
     pass's 8 rows, 64 slowed the draft."""
-    return 64 if small_weight_past_few_rows(M, N, K) else max(16, triton.next_power_of_2(M))
+    return ROWS_MAX if small_weight_past_few_rows(M, N, K) else max(16, triton.next_power_of_2(M))
 
 
 def rows_launch(M: int, N_out: int, K: int, float8: bool, silu_mul: bool, on: Gpu = HOPPER) -> RowsLaunch:
@@ -625,7 +625,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
         rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, res, out, partials,
         counters, M, N_out, K, rows.stride(0), res.stride(0), norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
-        HAS_RESIDUAL=residual is not None, NORM=norm is not None, SQUARES_BY_DOT=block_m < 64, SPLITS=splits,
+        HAS_RESIDUAL=residual is not None, NORM=norm is not None, SQUARES_BY_DOT=block_m < ROWS_MAX, SPLITS=splits,
         PREFETCH=prefetch, EARLY_CHUNK=early_first_chunk(block_m, prefetch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
         **launch_options(x.device, placement),
@@ -653,7 +653,7 @@ def early_first_chunk(block_m: int, prefetch: int) -> bool:
     o 2.68 against 2.81, gate/up 3.95 against 4.11, down 3.92 against 4.08; its (6, 8, 64) step as served 1.02
     against 1.04 ms, (8, 8, 64) 1.10 against 1.11-1.13. In tiles of 16 rows the loop alone was slower (gate/up at 8
     rows 3.82 against 3.30 µs: docs/perf.md, sixty-fourth entry)."""
-    return not prefetch or block_m < 64
+    return not prefetch or block_m < ROWS_MAX
 
 
 def reads_fp8_rows(M: int, N: int, K: int) -> bool:
@@ -739,7 +739,6 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     # [BLOCK_N, 1]; rows past N (masked off) at row N - 1, so that no address, not even a prefetch's, leaves w
     w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * K
     x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
-    first = begin  # the loop's first chunk
     if EARLY_CHUNK:  # the first weight chunk loads before waiting on the kernel before (no kernel writes weights)
         kk = begin + k
         ok = n_ok[:, None] & (kk < end)[None, :]
@@ -762,8 +761,7 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     if EARLY_CHUNK:
         acc, acc_up, squares = _rows_chunk(x_rows, w, w_up, acc, acc_up, squares, m_ok, kk, end, HAS_SCALE,
                                            SILU_MUL, NORM, SQUARES_BY_DOT)
-        first = begin + BLOCK_K
-    for start in range(first, end, BLOCK_K):
+    for start in range(begin + BLOCK_K if EARLY_CHUNK else begin, end, BLOCK_K):
         kk = start + k
         ok = n_ok[:, None] & (kk < end)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0)
