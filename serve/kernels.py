@@ -263,21 +263,24 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, 
                    BLOCK_ROW: tl.constexpr, PDL: tl.constexpr):
     """One token. k's rotated heads go to row `token` of k_out, or with STORE to row slots[b, t] of the cache (the
     same [Hkv, D] layout), and v's row to that row of v_cache."""
-    follow(PDL)
     token = tl.program_id(0).to(tl.int64)
     b, t = token // T, token % T
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
-    # The two halves of cos and sin [BLOCK_HALF] (equal for Rotary's tables, but the reference reads both).
+    # Before the wait: the two halves of cos and sin [BLOCK_HALF] (equal for Rotary's tables, but the reference
+    # reads both) and the token's slot. Kernels before the q/k/v projection wrote them, and under PDL this kernel
+    # starts only once every program of that projection has waited for those kernels.
     c = cos_ptr + b * stride_cb + t * stride_ct + d
     s = sin_ptr + b * stride_sb + t * stride_st + d
     c1, c2 = tl.load(c, mask=d_ok).to(tl.float32), tl.load(c + HALF, mask=d_ok).to(tl.float32)
     s1, s2 = tl.load(s, mask=d_ok).to(tl.float32), tl.load(s + HALF, mask=d_ok).to(tl.float32)
-    _rotate_heads(q_ptr + b * stride_qb + t * stride_qt, stride_qh, q_out_ptr + token * HQ * 2 * HALF, HQ,
-                  c1, c2, s1, s2, d, d_ok, HALF, BLOCK_HQ)
     row = token
     if STORE:
         row = tl.load(slots_ptr + b * stride_slots + t).to(tl.int64)
+    follow(PDL)
+    _rotate_heads(q_ptr + b * stride_qb + t * stride_qt, stride_qh, q_out_ptr + token * HQ * 2 * HALF, HQ,
+                  c1, c2, s1, s2, d, d_ok, HALF, BLOCK_HQ)
+    if STORE:
         i = tl.arange(0, BLOCK_ROW)
         ok = i < HKV * 2 * HALF
         v = tl.load(v_ptr + b * stride_vb + t * stride_vt + i, mask=ok)

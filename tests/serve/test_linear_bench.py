@@ -90,11 +90,13 @@ def test_a_launch_without_the_shared_memory_is_kept_untimed_and_the_sweep_goes_o
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_launch_too_big_for_the_gpu_is_listed_untimed(capsys):
-    linear_bench.main(["--arch", "smollm2-135m", "--rows", "64", "--weights", "gate_up", "--block-n", "32", "64",
-                       "--block-k", "128", "--stages", "4", "--splits", "1"])
+    # Four stages of (32, 256) tiles take 256 KB at 64 rows, (32, 128) ones 128 (`linear_bench --resources`); an
+    # H100's or H200's SM has 227.
+    linear_bench.main(["--arch", "smollm2-135m", "--rows", "64", "--weights", "gate_up", "--block-n", "32",
+                       "--block-k", "128", "256", "--stages", "4", "--splits", "1"])
     out = capsys.readouterr().out
     assert "(32, 128, 4, 4, 1)" in out.splitlines()[2]
-    assert "(64, 128, 4, 4, 1)  needs more shared memory than an SM has" in out
+    assert "(32, 256, 4, 4, 1)  needs more shared memory than an SM has" in out
 
 
 @pytest.mark.gpu
