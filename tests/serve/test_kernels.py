@@ -791,9 +791,10 @@ def test_rows_view_or_copy():
 def test_every_kernel_waits_for_the_one_before():
     """Under programmatic dependent launch (`launch_options`, Hopper on) a kernel may start before the one before
     it has finished, so each must call `follow(PDL)` before it touches memory: one that did not could read inputs not
-    yet written, or overwrite memory still being read. The linear kernels load their first weights before it (no
-    kernel writes weights; the few-rows kernel also asks L2 for the rest), and neither read nor write anything else
-    before it. Off CUDA the option is off."""
+    yet written, or overwrite memory still being read. Three read before it what the kernel before them never writes,
+    and nothing else: the linear kernels their first weights (the few-rows kernel also asks L2 for the rest), the
+    rotary store its cos, sin and cache slot (written before the projection it follows). None writes before it.
+    Off CUDA the option is off."""
     from triton.runtime.jit import JITFunction
 
     from eyas.serve import step_kernels
@@ -802,6 +803,9 @@ def test_every_kernel_waits_for_the_one_before():
     launched = {name: fn for module in (kernels, step_kernels, triton_paged) for name, fn in vars(module).items()
                 if isinstance(fn, JITFunction) and name.endswith("_kernel")}
     assert len(launched) == 20
+    # The pointers each may load through before the wait (c and s point into cos and sin).
+    reads_before_wait = {"_fused_linear_kernel": {"rows"}, "_rows_matmul_kernel": {"w_rows"},
+                         "_rotary_kernel": {"c", "s", "slots_ptr"}}
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
@@ -809,12 +813,13 @@ def test_every_kernel_waits_for_the_one_before():
         code = [ast.unparse(statement) for statement in body]
         assert "follow(PDL)" in code, f"{name} never calls follow(PDL)"
         before = code[:code.index("follow(PDL)")]
-        if name in ("_fused_linear_kernel", "_rows_matmul_kernel"):
+        if name in reads_before_wait:
             early = " ".join(before)
             assert "store" not in early and "atomic" not in early, f"{name} writes before follow"
-            weights = {"rows" if "fused" in name else "w_rows"}
-            assert set(re.findall(r"(?:tl\.load|_weights_to_l2)\((\w+)", early)) == weights, \
-                f"{name} reads more than its weights before follow"
+            reads = set(re.findall(r"(?:tl\.load|_weights_to_l2)\((\w+)", early))
+            assert reads == reads_before_wait[name], f"{name} reads through {reads} before follow"
+            helpers = set(re.findall(r"(?<![\w.])(_\w+)\(", early)) - {"_weights_to_l2"}
+            assert not helpers, f"{name} calls {helpers} before follow"
         else:
             assert not before, f"{name} starts with {before[0]!r}"
     assert kernels.launch_options(torch.device("cpu")) == {"PDL": 0}
