@@ -90,8 +90,13 @@ def test_a_launch_without_the_shared_memory_is_kept_untimed_and_the_sweep_goes_o
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_launch_too_big_for_the_gpu_is_listed_untimed(capsys):
-    # Four stages of (32, 256) tiles take 256 KB at 64 rows, (32, 128) ones 128 (`linear_bench --resources`); an
-    # H100's or H200's SM has 227.
+    # The premise, from the compiler: four stages of (32, 256) tiles at 64 rows need more shared memory than this
+    # GPU's SM has (256 KB; an H100's or H200's has 227), (32, 128) ones fit (128 KB).
+    N, K, silu = linear_bench.weight_shapes("smollm2-135m")["gate_up"]
+    launches = [kernels.RowsLaunch(32, block_k, 4, 4, 1) for block_k in (128, 256)]
+    shared = [used.shared for _, used in linear_bench.launch_resources(N, K, silu, 64, launches, False)]
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    assert shared[0] <= limit < shared[1], f"shared memory {shared} against {limit}: pick another launch"
     linear_bench.main(["--arch", "smollm2-135m", "--rows", "64", "--weights", "gate_up", "--block-n", "32",
                        "--block-k", "128", "256", "--stages", "4", "--splits", "1"])
     out = capsys.readouterr().out
