@@ -175,9 +175,16 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    follow(PDL)
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv_head = bh // HKV, bh % HKV
+    # This split's share of the prefix, in whole key tiles: [lo, hi). Read before the wait: kernels before the q/k/v
+    # projection wrote the prefix lengths, and under PDL this kernel starts only once every program of the kernel
+    # before it (the store of the new keys, which follows that projection) has waited for them.
+    prefix = tl.load(prefix_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix)
+    follow(PDL)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows [BLOCK_M]
     t, head = r // GROUP, kv_head * GROUP + r % GROUP
     row_ok = t < T
@@ -192,11 +199,6 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # This split's share of the prefix, in whole key tiles: [lo, hi).
-    prefix = tl.load(prefix_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, prefix)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         key_ok = pos < hi

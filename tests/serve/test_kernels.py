@@ -805,7 +805,7 @@ def test_every_kernel_waits_for_the_one_before():
     assert len(launched) == 20
     # The pointers each may load through before the wait (c and s point into cos and sin).
     reads_before_wait = {"_fused_linear_kernel": {"rows"}, "_rows_matmul_kernel": {"w_rows"},
-                         "_rotary_kernel": {"c", "s", "slots_ptr"}}
+                         "_rotary_kernel": {"c", "s", "slots_ptr"}, "_paged_attention_kernel": {"prefix_lens_ptr"}}
     for name, fn in launched.items():
         body = ast.parse(fn.src).body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
