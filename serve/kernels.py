@@ -113,11 +113,13 @@ def launch_options(device: torch.device, placement: Placement = Placement.SHORT)
 
 @jit
 def follow(PDL: tl.constexpr):
-    """Every kernel calls it before it touches activations (the linear kernels load their first weights before it,
-    which no kernel writes). Under PDL (EARLY or LATE, `launch_options`): wait until the kernel before has finished
-    and its writes are visible (its outputs are inputs here, and memory written here may be memory it still reads);
-    EARLY then lets the next kernel launch (its programs take SM slots once all of these are resident), LATE leaves
-    it to launch as these programs end."""
+    """Every kernel calls it before it writes, and before it reads what the kernel just before may write. Under PDL
+    (EARLY or LATE, `launch_options`): wait until the kernel before has finished and its writes are visible (its
+    outputs are inputs here, and memory written here may be memory it still reads); EARLY then lets the next kernel
+    launch (its programs take SM slots once all of these are resident), LATE leaves it to launch as these programs
+    end. Either way a kernel starts only once every program of the one before has waited here, so before its own
+    wait it may read what was written two or more launches back (weights, which no kernel writes, and a forward's
+    inputs, written before the layers), never its predecessor's outputs."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         if PDL == EARLY:
@@ -267,9 +269,8 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, 
     b, t = token // T, token % T
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
-    # Before the wait: the two halves of cos and sin [BLOCK_HALF] (equal for Rotary's tables, but the reference
-    # reads both) and the token's slot. Kernels before the q/k/v projection wrote them, and under PDL this kernel
-    # starts only once every program of that projection has waited for those kernels.
+    # Before the wait (`follow`: written before the q/k/v projection this kernel follows): the two halves of cos and
+    # sin [BLOCK_HALF] (equal for Rotary's tables, but the reference reads both) and the token's slot.
     c = cos_ptr + b * stride_cb + t * stride_ct + d
     s = sin_ptr + b * stride_sb + t * stride_st + d
     c1, c2 = tl.load(c, mask=d_ok).to(tl.float32), tl.load(c + HALF, mask=d_ok).to(tl.float32)

@@ -177,9 +177,8 @@ def _paged_attention_kernel(
 ):
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv_head = bh // HKV, bh % HKV
-    # This split's share of the prefix, in whole key tiles: [lo, hi). Read before the wait: the prefix lengths are
-    # written before the layers, and under PDL this kernel starts only once every program of the store before it has
-    # waited for the q/k/v projection, which had itself waited for the kernels before it.
+    # This split's share of the prefix, in whole key tiles: [lo, hi). Read before the wait (`follow`: the prefix
+    # lengths are written before the layers, the key store and the q/k/v projection between).
     prefix = tl.load(prefix_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk

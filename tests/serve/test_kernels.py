@@ -791,10 +791,10 @@ def test_rows_view_or_copy():
 def test_every_kernel_waits_for_the_one_before():
     """Under programmatic dependent launch (`launch_options`, Hopper on) a kernel may start before the one before
     it has finished, so each must call `follow(PDL)` before it touches memory: one that did not could read inputs not
-    yet written, or overwrite memory still being read. Three read before it what the kernel before them never writes,
+    yet written, or overwrite memory still being read. Four read before it what the kernel before them never writes,
     and nothing else: the linear kernels their first weights (the few-rows kernel also asks L2 for the rest), the
-    rotary store its cos, sin and cache slot (written before the projection it follows). None writes before it.
-    Off CUDA the option is off."""
+    rotary store its cos, sin and cache slot (written before the projection it follows), the paged attention its
+    prefix lengths (written before the layers). None writes before it. Off CUDA the option is off."""
     from triton.runtime.jit import JITFunction
 
     from eyas.serve import step_kernels
