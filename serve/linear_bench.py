@@ -1,16 +1,21 @@
 """Few-rows linear benchmark: `rows_kernel` at its served launch and at a grid of others against cuBLAS, µs a call,
-on the weight shapes of an architecture's target (random weights), at verification's and a draft pass's row counts.
+on the weight shapes of an architecture's target (random weights), at verification's and a draft pass's row counts,
+or with `--head` on an EAGLE-3 draft head's for that target (a draft pass's linears, and its fc).
 
     python -m eyas.serve.linear_bench --arch llama-3.1-8b --rows 8 --weights qkv gate_up --splits 1 2 4
+    python -m eyas.serve.linear_bench --arch llama-3.1-8b --head --draft-vocab 8192 --fp8 --rows 8 \
+        --weights qkv o gate_up down lm_head fc --block-n 16 32 64 --block-k 256 512 --stages 1 2 3 --splits 1 4
 
 Each call runs inside a CUDA graph over distinct copies of its weight, at least 256 MB of them in all, so no call
 reads its weight from L2 (50 MB on an H200); µs a call is the median replay's time over the copies. The kernel runs as
 served (`kernels.launch_options`): under programmatic dependent launch but for long calls that share SMs, so a call
 may start loading while the one before finishes, as it does between the served model's kernels; cuBLAS cannot.
+A head's calls run released late (`kernels.releasing_late`), as the engine runs a speculative step's passes.
 cuBLAS is `F.linear`, and `silu_mul` after the joint gate/up (the served path's two launches there). With `--fp8`
 the kernel reads float8 copies (`serve/fp8.py`), as a draft head's with `--draft-fp8`, and cuBLAS the bf16 weight.
 
-A table row per weight and row count: cuBLAS, the served launch (`rows_launch`), the grid's fastest and its launch
+A table row per weight and row count: cuBLAS, the one-token kernel at one row of the same weight (what a row more
+costs), the served launch (`rows_launch`), the grid's fastest and its launch
 (BLOCK_N, BLOCK_K, stages, warps, splits; splits as launched: equal runs of whole chunks of K, and none over more
 tiles than the kernel has counters for); `--all` prints every launch of the grid. A launch whose stages of tiles need
 more shared memory than an SM has is listed, untimed, under its row. Per-call times can mislead (in docs/perf.md,
@@ -39,11 +44,14 @@ from triton.runtime.errors import OutOfResources
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
 from eyas.common.cli import HelpFormatter
+from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.layers import fuse_projections
 
 from . import hopper_compile, kernels
+from .bench import EAGLE3_DRAFT_VOCAB, add_draft_vocab_argument
 from .commands import require_output_dirs
 from .cuda_graphs import replay_ms
-from .fp8 import E4M3, Fp8Weight, quantize
+from .fp8 import E4M3, Fp8Weight, Fp8Weights, quantize
 
 L2_DEFEAT_BYTES = 256 << 20
 
@@ -62,6 +70,20 @@ def weight_shapes(arch: str) -> dict[str, tuple[int, int, bool]]:
     }
 
 
+def head_weight_shapes(arch: str, draft_vocab: int | None = None) -> dict[str, tuple[int, int, bool]]:
+    """The same of an EAGLE-3 head for `arch`'s target, of `draft_vocab` draft tokens (None: EAGLE3_DRAFT_VOCAB; at
+    most the target's), as the engine serves it: its layer's (q/k/v over the token's embedding and the stream side by
+    side), its lm_head, and fc (over the target's captured streams)."""
+    cfg = architecture_config(arch)
+    with torch.device("meta"):
+        head = Eagle3Head(Eagle3Config.for_target(cfg, min(draft_vocab or EAGLE3_DRAFT_VOCAB, cfg.vocab_size)))
+    fuse_projections(head)
+    attention, mlp = head.midlayer.self_attn, head.midlayer.mlp
+    linears = {"qkv": attention.qkv_proj, "o": attention.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj,
+               "lm_head": head.lm_head, "fc": head.fc}
+    return {name: (*linear.weight.shape, name == "gate_up") for name, linear in linears.items()}
+
+
 def us_per_call(call, copies: int) -> float:
     """µs a call of `call(i)`, i < copies, each copy once in a CUDA graph."""
     return replay_ms(lambda: [call(i) for i in range(copies)]) * 1e3 / copies
@@ -69,12 +91,17 @@ def us_per_call(call, copies: int) -> float:
 
 def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLaunch], fp8: bool,
             device: str) -> dict:
-    """A weight [N, K] at `rows`: µs a call of cuBLAS, of the served launch and of each of `launches` as the kernel
-    runs them (`as_launched`)."""
+    """A weight [N, K] at `rows`: µs a call of cuBLAS, of the one-token kernel at one row, of the served launch and of
+    each of `launches` as the kernel runs them (`as_launched`)."""
     copies = max(2, -(-L2_DEFEAT_BYTES // (N * K * 2)))
     weights = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
     quantized = [quantize(w) for w in weights] if fp8 else [None] * copies
+    tables = [Fp8Weights() for _ in range(copies)]  # the one-token kernel's: each weight's copy where fp8
+    for table, weight, copy in zip(tables, weights, quantized, strict=True):
+        if copy is not None:
+            table.add(weight, copy)
     x = torch.randn(rows, K, device=device, dtype=torch.bfloat16)
+    x_one = x[:1].contiguous()
 
     def cublas(i):
         y = F.linear(x, weights[i])
@@ -82,6 +109,9 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
 
     def kernel(launch):
         return lambda i: kernels.rows_kernel(x, weights[i], None, silu, quantized[i], launch)
+
+    def one_row(i):
+        return kernels.fused_linear(x_one, weights[i], silu_mul_output=silu, fp8=tables[i])
 
     def timed(launch):
         try:
@@ -92,7 +122,8 @@ def measure(N: int, K: int, silu: bool, rows: int, launches: list[kernels.RowsLa
     N_out = N // 2 if silu else N
     served = kernels.rows_launch(rows, N_out, K, fp8, silu, kernels.gpu(torch.device(device)))
     return dict(N=N, K=K, silu=silu, rows=rows, fp8=fp8, cublas_us=us_per_call(cublas, copies),
-                served_us=us_per_call(kernel(None), copies), served_launch=served,
+                one_row_us=us_per_call(one_row, copies), served_us=us_per_call(kernel(None), copies),
+                served_launch=served,
                 grid=[(run, timed(run)) for run in as_launched(launches, N_out, K)])
 
 
@@ -134,8 +165,12 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=HelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--arch", default="llama-3.1-8b", choices=sorted(ARCHITECTURES), help="whose linear shapes")
+    parser.add_argument("--head", action="store_true",
+                        help="an EAGLE-3 head's linears for that target (a draft pass's), released late as served")
+    add_draft_vocab_argument(parser)
     parser.add_argument("--weights", nargs="+", default=["qkv", "o", "gate_up", "down"],
-                        choices=["qkv", "o", "gate_up", "down", "lm_head"], help="which of its linears")
+                        choices=["qkv", "o", "gate_up", "down", "lm_head", "fc"],
+                        help="which of its linears (fc: a head's)")
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16],
                         help=f"rows a call (2 to {kernels.ROWS_MAX}): a tree's or a chain's verification, a draft pass")
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64], help="the grid: weight rows a program")
@@ -149,46 +184,55 @@ def main(argv: list[str] | None = None) -> None:
                         help="compile each launch for sm_90 and print its registers and stack a thread instead of "
                         "timing it (no GPU needed)")
     parser.add_argument("--json", type=Path, help="write every timing to this JSON: a record per weight and row count "
-                        "(name, N, K, silu, rows, fp8, cublas_us, served_us, served_launch, grid [[launch, us]]; "
-                        "us null where the launch needs more shared memory than an SM has)")
+                        "(name, N, K, silu, rows, fp8, cublas_us, one_row_us, served_us, served_launch, grid "
+                        "[[launch, us]]; us null where the launch needs more shared memory than an SM has)")
     args = parser.parse_args(argv)
     if bad := [r for r in args.rows if not 2 <= r <= kernels.ROWS_MAX]:
         parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
     require_output_dirs(parser, args, "json")
+    if "fc" in args.weights and not args.head:
+        parser.error("--weights fc: a target has no fc; it is a head's (--head)")
+    if args.draft_vocab is not None and not args.head:
+        parser.error("--draft-vocab is a head's (--head)")
     launches = [kernels.RowsLaunch(*c) for c in itertools.product(args.block_n, args.block_k, args.stages,
                                                                     args.warps, args.splits)]
-    shapes = weight_shapes(args.arch)
+    shapes = head_weight_shapes(args.arch, args.draft_vocab) if args.head else weight_shapes(args.arch)
     if args.resources:
         print_resources(args, shapes, launches)
         return
     if not torch.cuda.is_available():
         sys.exit("the linear benchmark needs a CUDA GPU (--resources does not)")
-    print(f"µs a call, {args.arch}, {'float8' if args.fp8 else 'bf16'} weights; launch = (BLOCK_N, BLOCK_K, stages, "
-          "warps, splits)")
-    print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'cuBLAS':>8} {'served':>8} {'best':>8}  best launch")
+    print(f"µs a call, {weights_named(args)}; launch = (BLOCK_N, BLOCK_K, stages, warps, splits)")
+    print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'cuBLAS':>8} {'1 row':>8} {'served':>8} {'best':>8}  best launch")
     records = []
     for name in args.weights:
         N, K, silu = shapes[name]
         for rows in args.rows:
-            record = {"name": name, **measure(N, K, silu, rows, launches, args.fp8, "cuda")}
+            with kernels.releasing_late(args.head):
+                record = {"name": name, **measure(N, K, silu, rows, launches, args.fp8, "cuda")}
             records.append(record)
             ran = [(launch, us) for launch, us in record["grid"] if us is not None]
             best_launch, best = min(ran, key=lambda r: r[1]) if ran else ("none of the grid fits", float("nan"))
-            print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {record['cublas_us']:>8.2f} {record['served_us']:>8.2f} "
-                  f"{best:>8.2f}  {tuple(best_launch) if ran else best_launch}")
+            print(f"{name:<8} {f'{N}x{K}':>13} {rows:>4} {record['cublas_us']:>8.2f} {record['one_row_us']:>8.2f} "
+                  f"{record['served_us']:>8.2f} {best:>8.2f}  {tuple(best_launch) if ran else best_launch}")
             for launch, us in record["grid"] if args.all else [r for r in record["grid"] if r[1] is None]:
                 timing = f"{us:>8.2f}" if us is not None else f"{'-':>8}"
-                print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {timing}  {tuple(launch)}"
+                print(f"{'':<8} {'':>13} {'':>4} {'':>8} {'':>8} {'':>8} {timing}  {tuple(launch)}"
                       + ("  needs more shared memory than an SM has" if us is None else ""))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
 
 
+def weights_named(args) -> str:
+    """Whose weights the tables hold, and in which dtype."""
+    whose = f"{args.arch}'s EAGLE-3 head" if args.head else args.arch
+    return f"{whose}, {'float8' if args.fp8 else 'bf16'} weights"
+
+
 def print_resources(args, shapes: dict, launches: list[kernels.RowsLaunch]) -> None:
     """--resources: a row per weight, row count and launch (the served one first, marked *)."""
-    print(f"a thread's registers and stack bytes, a program's KB of shared memory, {args.arch}, "
-          f"{'float8' if args.fp8 else 'bf16'} weights, compiled for sm_90; launch = (BLOCK_N, BLOCK_K, stages, warps, "
-          "splits)")
+    print(f"a thread's registers and stack bytes, a program's KB of shared memory, {weights_named(args)}, compiled "
+          "for sm_90; launch = (BLOCK_N, BLOCK_K, stages, warps, splits)")
     print(f"{'weight':<8} {'N x K':>13} {'rows':>4} {'regs':>5} {'stack':>6} {'smem':>5}  launch")
     for name in args.weights:
         N, K, silu = shapes[name]

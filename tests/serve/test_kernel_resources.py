@@ -26,18 +26,22 @@ ADDING = ("o", "down")  # the linears that add the residual stream
 
 def served_launches(arch: str, rows: int, float8: bool) -> set[hopper_compile.Launch]:
     """The launches `fused_linear` makes for each of the target's linears (`weight_shapes`, less the lm_head) at
-    `rows` rows, with float8 copies of the weights where `float8`."""
+    `rows` rows, with float8 copies of the weights where `float8`; gate/up on o's output, as a layer's MLP takes it
+    (with its rows' squares where a float8 call wrote it: `kernels.RowSquares`)."""
     def run_linears():
+        out = None
         for name, (N, K, silu) in weight_shapes(arch).items():
             if name == "lm_head":
                 continue
             x, weight, copy = meta_operands(N, K, rows, float8)
+            x = out if name == "gate_up" else x
             copies = Fp8Weights()
             if copy is not None:
                 copies.add(weight, copy)
             stream = x.new_empty(*x.shape[:-1], N) if name in ADDING else None
-            kernels.fused_linear(x, weight, norm=(None, 1e-5) if name in NORMED else None, silu_mul_output=silu,
-                                 residual=stream, donate_residual=name == "down", fp8=copies)
+            out = kernels.fused_linear(x, weight, norm=(None, 1e-5) if name in NORMED else None,
+                                       silu_mul_output=silu, residual=stream, donate_residual=name == "down",
+                                       fp8=copies)
 
     return hopper_compile.recorded_launches(run_linears)
 

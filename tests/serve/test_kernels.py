@@ -407,6 +407,63 @@ def test_fused_linear_fp8_interpreter(interpreter, case):
     interpreter(check_fused_linear, "cpu", torch.float16, *case, True)
 
 
+def check_row_squares(device, dtype, rows, N, K, consumers, producer_launch=None, consumer_launch=None):
+    """The stream r = res + x wᵀ [rows, N] of a float8 call (an o or a down: `rows_kernel` with a residual) holds its
+    rows' squares (`RowSquares`), and each consumer (a float8 weight [n, N] after a folded norm; (n, SiLU·mul)) then
+    scales its sums by them, launching no `rms_norm`, as the reference normalises r first; once r changes in place,
+    the consumer normalises it again; a stream made under `torch.inference_mode` keeps none. Launches: the served
+    ones, or those given (K split: the squares written by a tile's last program, each split's sums scaled)."""
+    x = randn(rows, K, dtype=dtype, device=device, seed=0, scale=torch.logspace(-3, 1, rows)[:, None])
+    stream = randn(rows, N, dtype=dtype, device=device, seed=1)
+    copy = quantize(randn(N, K, dtype=dtype, device=device, seed=2, scale=K ** -0.5))
+    r = kernels.rows_kernel(x, dequantize(copy, dtype), None, False, copy, producer_launch, residual=stream)
+    assert kernels.has_row_squares(r)
+    torch.testing.assert_close(r.row_squares.sums.sum(0), r.float().square().sum(1), rtol=1e-5, atol=0)
+
+    def consume(seed, n, silu):
+        copy = quantize(randn(n, N, dtype=dtype, device=device, seed=seed, scale=N ** -0.5 * (4 if silu else 1)))
+        weight = dequantize(copy, dtype)
+        out = kernels.rows_kernel(r, weight, None, silu, copy, consumer_launch, norm=(None, EPS))
+        extra = dict(bias=None, norm=(None, EPS), silu_mul_output=silu, residual=None, donate_residual=False)
+        assert_linear_matches(r, weight, out, extra, dtype)
+
+    rms_norm_launch = kernels.rms_norm
+    kernels.rms_norm = None  # a consumer that normalises r in a launch of its own fails
+    try:
+        for seed, (n, silu) in enumerate(consumers, 3):
+            consume(seed, n, silu)
+    finally:
+        kernels.rms_norm = rms_norm_launch
+    r.mul_(1.5)  # changed in place: its squares are stale
+    assert not kernels.has_row_squares(r)
+    for seed, (n, silu) in enumerate(consumers, 3):
+        consume(seed, n, silu)
+    with torch.inference_mode():  # no versions to tell a stale stream by: none kept
+        assert not kernels.has_row_squares(kernels.rows_kernel(x, dequantize(copy, dtype), None, False, copy,
+                                                               producer_launch, residual=stream))
+
+
+# rows, N, K, consumers (n, SiLU·mul), launches of the producer and the consumers: ragged N (a tile's columns past N
+# add no squares); K split over 3 programs in the producer, the consumers or both
+ROW_SQUARES_CPU = [(5, 96, 80, [(96, True), (130, False)], None, None),
+                   (3, 96, 80, [(130, False)], *[kernels.RowsLaunch(64, 32, 2, 4, 3)] * 2),
+                   (16, 200, 64, [(2 * 72, True)], None, kernels.RowsLaunch(64, 64, 2, 4, 3))]
+
+
+@pytest.mark.parametrize("case", ROW_SQUARES_CPU, ids=["served", "split", "split-consumer"])
+def test_row_squares_interpreter(interpreter, case):
+    interpreter(check_row_squares, "cpu", torch.float16, *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_row_squares_cuda(dtype, rows):
+    """An 8B EAGLE-3 head's o and down feeding its gate/up and 8,192-row lm_head, at the served launches."""
+    check_row_squares("cuda", dtype, rows, 4096, 4096, [(28672, True), (8192, False)])
+    check_row_squares("cuda", dtype, rows, 4096, 14336, [(8192, False)])
+
+
 def run_e4m3_ptx(ptx: str, word: int) -> tuple[int, int]:
     """`kernels._e4m3_ptx`'s instructions (prmt, shl and and on 32-bit registers, as PTX defines them) run on one
     input word $2 -> ($0, $1)."""

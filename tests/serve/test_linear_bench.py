@@ -14,6 +14,7 @@ from eyas.common.architectures import architecture_config  # noqa: E402
 from eyas.common.layers import fuse_projections  # noqa: E402
 from eyas.common.target import TargetModel  # noqa: E402
 from eyas.serve import kernels, linear_bench  # noqa: E402
+from eyas.serve.bench import random_head  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["tiny", "smollm2-135m"])
@@ -28,6 +29,25 @@ def test_weight_shapes_are_the_served_models(arch):
     shapes = linear_bench.weight_shapes(arch)
     assert {name: shapes[name][:2] for name in served} == {name: tuple(m.weight.shape) for name, m in served.items()}
     assert shapes["lm_head"][:2] == tuple(target.lm_head_weight.shape)
+    assert [name for name, (_, _, silu) in shapes.items() if silu] == ["gate_up"]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 100])
+def test_head_weight_shapes_are_the_served_heads(draft_vocab):
+    """An EAGLE-3 head's as the engine serves a random one (bench-eagle's): q/k/v over the embedding and the stream
+    side by side, fc over the target's three captured streams, the lm_head over the draft vocabulary (by default
+    32,000, at most the target's 512)."""
+    arch = "tiny"
+    cfg = architecture_config(arch)
+    head = random_head(TargetModel(cfg), draft_vocab)
+    fuse_projections(head)
+    layer = head.midlayer
+    served = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+              "down": layer.mlp.down_proj, "lm_head": head.lm_head, "fc": head.fc}
+    shapes = linear_bench.head_weight_shapes(arch, draft_vocab)
+    assert {name: shape[:2] for name, shape in shapes.items()} == {n: tuple(m.weight.shape) for n, m in served.items()}
+    assert shapes["qkv"][1] == 2 * cfg.hidden_size and shapes["fc"][1] == 3 * cfg.hidden_size
+    assert shapes["lm_head"][0] == (draft_vocab or cfg.vocab_size)
     assert [name for name, (_, _, silu) in shapes.items() if silu] == ["gate_up"]
 
 
@@ -50,6 +70,18 @@ def test_rows_outside_the_kernels_range_and_a_json_without_its_folder_are_refuse
     with pytest.raises(SystemExit):
         linear_bench.main(["--json", str(tmp_path / "missing" / "t.json")])
     assert "no directory" in capsys.readouterr().err
+    for head_only in (["--weights", "fc"], ["--draft-vocab", "8192"]):
+        with pytest.raises(SystemExit):
+            linear_bench.main(head_only)
+        assert "(--head)" in capsys.readouterr().err
+
+
+def test_resources_of_a_heads_fc(capsys):
+    linear_bench.main(["--arch", "smollm2-135m", "--head", "--fp8", "--rows", "8", "--weights", "fc", "--block-n", "32",
+                       "--block-k", "64", "--stages", "2", "--splits", "1", "--resources"])
+    out = capsys.readouterr().out.splitlines()
+    assert "smollm2-135m's EAGLE-3 head, float8 weights" in out[0]
+    assert [line.split()[:3] for line in out[2:]] == [["fc", "576x1728", "8"]] * 2  # the served launch, the grid's
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -77,6 +109,7 @@ def test_a_launch_without_the_shared_memory_is_kept_untimed_and_the_sweep_goes_o
             raise OutOfResources(245760, 232448, "shared memory")
 
     monkeypatch.setattr(kernels, "rows_kernel", rows_kernel)
+    monkeypatch.setattr(kernels, "fused_linear", lambda x, weight, **options: None)  # the one-row column's
     def us_per_call(call, copies):
         call(0)
         return 1.0
@@ -106,15 +139,17 @@ def test_a_launch_too_big_for_the_gpu_is_listed_untimed(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fp8", [False, True])
-def test_every_weight_is_timed(capsys, tmp_path, fp8):
+@pytest.mark.parametrize("fp8, head", [(False, False), (True, False), (True, True)])
+def test_every_weight_is_timed(capsys, tmp_path, fp8, head):
     linear_bench.main(["--arch", "smollm2-135m", "--rows", "4", "--block-n", "16", "--block-k", "64", "--stages", "2",
-                       "--splits", "1", "2", "--all", "--json", str(tmp_path / "t.json")] + ["--fp8"] * fp8)
+                       "--splits", "1", "2", "--all", "--json", str(tmp_path / "t.json")] + ["--fp8"] * fp8
+                      + ["--head"] * head)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     timed = [row for row in rows if row[0] in ("qkv", "o", "gate_up", "down")]
     assert [row[0] for row in timed] == ["qkv", "o", "gate_up", "down"]
-    assert all(0 < float(us) < 1e4 for row in timed for us in row[3:6])
+    assert all(0 < float(us) < 1e4 for row in timed for us in row[3:7])  # cuBLAS, one row, served, best
     assert len(rows) == 4 * 3  # each weight, then its two launches
     records = json.loads((tmp_path / "t.json").read_text())
     assert [(r["name"], r["rows"], r["fp8"]) for r in records] == [(n, 4, fp8) for n in ("qkv", "o", "gate_up", "down")]
-    assert [[launch[4] for launch, _ in r["grid"]] for r in records] == [[1, 2]] * 4  # 9 and 24 chunks of 64 split
+    assert all(0 < r["one_row_us"] < 1e4 for r in records)
+    assert [[launch[4] for launch, _ in r["grid"]] for r in records] == [[1, 2]] * 4  # 9 to 24 chunks of 64 split
