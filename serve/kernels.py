@@ -595,10 +595,10 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     gate/up weight: one launch where cuBLAS and `silu_mul` take two) and the residual stream's add in the epilogue,
     reading the float8 copy `quantized` where given.
     Weights of few output columns split K over several programs (`rows_splits`). `norm` = (weight or None, eps): x goes
-    through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`) before an
-    unsplit launch on a bf16/fp16 weight, which applies it itself (`_rows_matmul_kernel`'s NORM), or on a float8 copy
-    where x holds its rows' squares (`RowSquares`, which a float8 call adding the residual stream leaves on its
-    output), which scales its sums by them: one launch less. (A split program sees part of K; with float8 copies
+    through that RMSNorm first, in a launch of its own but for a folded norm (unit weight, `fold_norm`): where x holds
+    its rows' squares (`RowSquares`, which a call adding the residual stream leaves on its output) the kernel scales
+    its sums by 1 / RMS from them, and before an unsplit launch on a bf16/fp16 weight it sums x's squares in its loop
+    (`_rows_matmul_kernel`'s NORM): one launch less either way. (A split program sees part of K; with float8 copies
     either way of summing the squares in the loop made an 8B head's (5, 4, 8) step 0.3 ms slower: docs/perf.md,
     thirty-fourth entry.)
     x [..., K] in the weight's dtype (bf16 or fp16), M = x.numel() / K rows, 1 to ROWS_MAX; weight [N, K]; residual
@@ -615,7 +615,7 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     placement = (Placement.WHOLE_SM if whole_sm else Placement.SHARES_SM if long_call(M, N, K)
                  else Placement.SHORT)
     block_n, block_k, stages, warps, splits = launch
-    squares_in = x.row_squares.sums if float8 and norm is not None and norm[0] is None and has_row_squares(x) else None
+    squares_in = x.row_squares.sums if norm is not None and norm[0] is None and has_row_squares(x) else None
     if norm is not None and squares_in is None and (norm[0] is not None or splits > 1 or float8):
         rows, norm = rms_norm(rows, *norm), None
     tiles = triton.cdiv(N_out, block_n)
@@ -624,9 +624,9 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     assert residual is None or residual.shape == out.shape, f"residual {tuple(residual.shape)} for {tuple(out.shape)}"
     res = as_rows(residual) if residual is not None else out  # [M, N_out]
     partials = counters = out  # unused pointers without a split
-    squares_out = None  # where the output's squares go (`RowSquares`)
-    if float8 and residual is not None and not torch.is_inference_mode_enabled():
-        squares_out = torch.empty(tiles, M, dtype=torch.float32, device=x.device)
+    squares_out = None  # where the output's squares go (`RowSquares`) [M, tiles]
+    if residual is not None and not torch.is_inference_mode_enabled():
+        squares_out = torch.empty(M, tiles, dtype=torch.float32, device=x.device)
     if splits > 1:  # each program's sums [BLOCK_M, BLOCK_N] (two with SiLU·mul), and the tiles' arrival counts
         assert tiles <= SPLIT_MAX_TILES, f"{tiles} tiles split, for {SPLIT_MAX_TILES} counters"
         partials = torch.empty(splits, tiles, 2, block_m, block_n, dtype=torch.float32, device=x.device)
@@ -634,11 +634,11 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
     _rows_matmul_kernel[(tiles, splits)](
         rows, *_weight_and_scale(weight, quantized), bias if bias is not None else weight, res, out, partials,
         counters, squares_in if squares_in is not None else out, squares_out if squares_out is not None else out,
-        len(squares_in) if squares_in is not None else 0, M, N_out, K, rows.stride(0), res.stride(0),
+        squares_in.shape[1] if squares_in is not None else 0, M, N_out, K, rows.stride(0), res.stride(0),
         norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_SCALE=quantized is not None, SILU_MUL=silu_mul_output,
         HAS_RESIDUAL=residual is not None, NORM=norm is not None and squares_in is None,
-        SQUARES_IN=triton.next_power_of_2(len(squares_in)) if squares_in is not None else 0,
+        SQUARES_IN=triton.next_power_of_2(squares_in.shape[1]) if squares_in is not None else 0,
         SQUARES_OUT=squares_out is not None, SQUARES_BY_DOT=block_m < ROWS_MAX, SPLITS=splits,
         PREFETCH=prefetch, EARLY_CHUNK=early_first_chunk(block_m, prefetch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps,
@@ -650,10 +650,12 @@ def rows_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul_
 
 
 class RowSquares(NamedTuple):
-    """What a float8 `rows_kernel` call that adds the residual stream leaves on its output y [..., N] (as the attribute
-    `row_squares`): each output tile's sums of its rows' squares, sums [tiles, M] fp32, of y as written (torch's
-    `_version` of y then). A call normalising y by a folded RMSNorm next (the draft head's gate/up after its o, its
-    lm_head after its down) scales its own sums by 1 / RMS from them, where it would launch `rms_norm` first. A view
+    """What a `rows_kernel` call that adds the residual stream leaves on its output y [..., N] (as the attribute
+    `row_squares`): each row's sums of its squares over each output tile, sums [M, tiles] fp32, of y as written (torch's
+    `_version` of y then). A call normalising y by a folded RMSNorm next (a layer's gate/up after its o, the next
+    layer's q/k/v after its down, a draft head's lm_head after its down) scales its own sums by 1 / RMS from them,
+    where it would launch `rms_norm` first (on float8 copies, or split) or sum y's squares in its loop (NORM): at 48
+    rows of an 8B target that loop cost q/k/v 0.4 µs a call and gate/up 1.8 (docs/perf.md, fifty-second entry). A view
     of y, or y changed in place since, has none; nor does one made under `torch.inference_mode` (whose tensors count
     no versions)."""
 
@@ -754,9 +756,9 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
     power-of-two scales. With HAS_RESIDUAL, out = res [M, N] + that, rounded as the reference's add. With NORM (one
     split, no float8), x's rows are first normalised by a unit-weight RMSNorm of `eps`: the loop also sums the rows'
     squares, and the sums are scaled by each row's 1 / RMS before the epilogue. With SQUARES_IN (a power of two, at
-    least squares_in_tiles) the same norm takes the rows' squares from squares_in [squares_in_tiles, M], summed over
+    least squares_in_tiles) the same norm takes the rows' squares from squares_in [M, squares_in_tiles], summed over
     its tiles (`RowSquares`); with SQUARES_OUT the epilogue writes each row's sum of its stored outputs' squares to
-    squares_out [tiles, M]. With SQUARES_BY_DOT (tiles of 16 or 32 rows) it forms x xᵀ on the tensor cores, whose
+    squares_out [M, tiles]. With SQUARES_BY_DOT (tiles of 16 or 32 rows) it forms x xᵀ on the tensor cores, whose
     diagonal holds them; in a tile of 64 rows it adds x's squares elementwise into [BLOCK_M, BLOCK_K] and sums across
     once, after the loop. There x xᵀ took as long as the matmul
     (SmolLM2's four linears of a layer at 64 rows 14.7-14.8 µs against 13.4 with no norm, 14.0-14.2 elementwise;
@@ -787,11 +789,12 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         if SILU_MUL:
             _weights_to_l2(w_rows + N * K, begin, end, PREFETCH)
     follow(PDL)
-    if SQUARES_IN:  # x's rows' squares as the call that wrote x summed them, a tile of its columns each [SQUARES_IN,
-        # BLOCK_M]; loaded before the loop, so that their load's latency is not added to the end
+    if SQUARES_IN:  # x's rows' squares as the call that wrote x summed them, a tile of its columns each [BLOCK_M,
+        # SQUARES_IN] (a row's sums adjacent: summed within threads and warps); loaded before the loop, so that their
+        # load's latency is not added to the end
         t = tl.arange(0, SQUARES_IN)
-        row_squares = tl.sum(tl.load(squares_in_ptr + t[:, None] * M + m[None, :],
-                                     mask=(t < squares_in_tiles)[:, None] & m_ok[None, :], other=0.0), 0)
+        row_squares = tl.sum(tl.load(squares_in_ptr + m[:, None] * squares_in_tiles + t[None, :],
+                                     mask=m_ok[:, None] & (t < squares_in_tiles)[None, :], other=0.0), 1)
     res = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)  # HAS_RESIDUAL only: loaded before the loop (added
     if HAS_RESIDUAL:  # after it, an 8B target's o took 0.5 µs more a call at 8 rows; docs/perf.md, thirty-third entry)
         res = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
@@ -821,7 +824,7 @@ def _rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, par
         acc *= rstd
         if SILU_MUL:
             acc_up *= rstd
-    squares_out = squares_out_ptr + tile * M  # SQUARES_OUT only: this tile's sums [M]
+    squares_out = squares_out_ptr + m * tl.num_programs(0) + tile  # SQUARES_OUT only: this tile's sums [BLOCK_M]
     if SPLITS == 1:
         _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, squares_out, m, n, m_ok, n_ok, N, HAS_BIAS,
                        HAS_SCALE, SILU_MUL, HAS_RESIDUAL, SQUARES_OUT)
@@ -863,7 +866,7 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, squares_ptr, 
                    SQUARES_OUT: tl.constexpr):
     """`_rows_matmul_kernel`'s end: the sums acc (acc_up) [BLOCK_M, BLOCK_N] of output columns n scaled, biased,
     through SiLU·mul, added to the residual stream's tile res, and stored; with SQUARES_OUT each row's sum of the
-    stored values' squares to squares_ptr [M]."""
+    stored values' squares to the pointers squares_ptr [BLOCK_M]."""
     dtype = out_ptr.dtype.element_ty
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :] * _e4m3_unscale(dtype)
@@ -879,9 +882,9 @@ def _rows_epilogue(acc, acc_up, scale_ptr, bias_ptr, res, out_ptr, squares_ptr, 
         acc = acc.to(dtype).to(tl.float32) + res.to(tl.float32)
     stored = acc.to(dtype)
     tl.store(out_ptr + m[:, None] * N + n[None, :], stored, mask=m_ok[:, None] & n_ok[None, :])
-    if SQUARES_OUT:  # a float8 call's: columns past N hold zeros (their scales load as 0)
+    if SQUARES_OUT:  # columns past N hold zeros: their weights load as 0
         stored = stored.to(tl.float32)
-        tl.store(squares_ptr + m, tl.sum(stored * stored, 1), mask=m_ok)
+        tl.store(squares_ptr, tl.sum(stored * stored, 1), mask=m_ok)
 
 
 @jit

@@ -407,61 +407,83 @@ def test_fused_linear_fp8_interpreter(interpreter, case):
     interpreter(check_fused_linear, "cpu", torch.float16, *case, True)
 
 
-def check_row_squares(device, dtype, rows, N, K, consumers, producer_launch=None, consumer_launch=None):
-    """The stream r = res + x wᵀ [rows, N] of a float8 call (an o or a down: `rows_kernel` with a residual) holds its
-    rows' squares (`RowSquares`), and each consumer (a float8 weight [n, N] after a folded norm; (n, SiLU·mul)) then
-    scales its sums by them, launching no `rms_norm`, as the reference normalises r first; once r changes in place,
-    the consumer normalises it again; a stream made under `torch.inference_mode` keeps none. Launches: the served
-    ones, or those given (K split: the squares written by a tile's last program, each split's sums scaled)."""
+def check_row_squares(device, dtype, rows, N, K, consumers, fp8=True, producer_launch=None, consumer_launch=None):
+    """The stream r = res + x wᵀ [rows, N] of a few-rows call adding it (an o or a down: `rows_kernel` with a
+    residual) holds its rows' squares (`RowSquares`), and each consumer (a weight [n, N] after a folded norm; (n,
+    SiLU·mul)) then scales its sums by 1 / RMS from them, as the reference normalises r first: it launches no
+    `rms_norm` (float8 copies did) and sums no squares of its own (squares scaled by 4 halve its output); once r
+    changes in place, the consumer normalises it itself again; a stream made under `torch.inference_mode` keeps none.
+    `fp8`: the weights rounded to float8 and the kernels reading the copies. Launches: the served ones, or those
+    given (K split: the squares written by a tile's last program, each split's sums scaled)."""
+    def weight_and_copy(n, k, seed, scale):
+        weight = randn(n, k, dtype=dtype, device=device, seed=seed, scale=scale)
+        copy = quantize(weight) if fp8 else None
+        return (dequantize(copy, dtype), copy) if fp8 else (weight, None)
+
     x = randn(rows, K, dtype=dtype, device=device, seed=0, scale=torch.logspace(-3, 1, rows)[:, None])
     stream = randn(rows, N, dtype=dtype, device=device, seed=1)
-    copy = quantize(randn(N, K, dtype=dtype, device=device, seed=2, scale=K ** -0.5))
-    r = kernels.rows_kernel(x, dequantize(copy, dtype), None, False, copy, producer_launch, residual=stream)
+    producer = weight_and_copy(N, K, 2, K ** -0.5)
+    r = kernels.rows_kernel(x, producer[0], None, False, producer[1], producer_launch, residual=stream)
     assert kernels.has_row_squares(r)
-    torch.testing.assert_close(r.row_squares.sums.sum(0), r.float().square().sum(1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(r.row_squares.sums.sum(1), r.float().square().sum(1), rtol=1e-5, atol=0)
+    weights = [(*weight_and_copy(n, N, seed, N ** -0.5 * (4 if silu else 1)), silu)
+               for seed, (n, silu) in enumerate(consumers, 3)]
 
-    def consume(seed, n, silu):
-        copy = quantize(randn(n, N, dtype=dtype, device=device, seed=seed, scale=N ** -0.5 * (4 if silu else 1)))
-        weight = dequantize(copy, dtype)
+    def consume(weight, copy, silu):
         out = kernels.rows_kernel(r, weight, None, silu, copy, consumer_launch, norm=(None, EPS))
         extra = dict(bias=None, norm=(None, EPS), silu_mul_output=silu, residual=None, donate_residual=False)
         assert_linear_matches(r, weight, out, extra, dtype)
+        return out
 
     rms_norm_launch = kernels.rms_norm
     kernels.rms_norm = None  # a consumer that normalises r in a launch of its own fails
     try:
-        for seed, (n, silu) in enumerate(consumers, 3):
-            consume(seed, n, silu)
+        outs = [consume(*consumer) for consumer in weights]
+        weight, copy, _ = next(consumer for consumer in weights if not consumer[2])
+        r.row_squares.sums.mul_(4)
+        halved = kernels.rows_kernel(r, weight, None, False, copy, consumer_launch, norm=(None, EPS))
+        plain = outs[[consumer[2] for consumer in weights].index(False)]
+        torch.testing.assert_close(halved.float(), plain.float() / 2, rtol=TOLERANCE[dtype], atol=1e-6)
     finally:
         kernels.rms_norm = rms_norm_launch
     r.mul_(1.5)  # changed in place: its squares are stale
     assert not kernels.has_row_squares(r)
-    for seed, (n, silu) in enumerate(consumers, 3):
-        consume(seed, n, silu)
+    for consumer in weights:
+        consume(*consumer)
     with torch.inference_mode():  # no versions to tell a stale stream by: none kept
-        assert not kernels.has_row_squares(kernels.rows_kernel(x, dequantize(copy, dtype), None, False, copy,
+        assert not kernels.has_row_squares(kernels.rows_kernel(x, producer[0], None, False, producer[1],
                                                                producer_launch, residual=stream))
 
 
-# rows, N, K, consumers (n, SiLU·mul), launches of the producer and the consumers: ragged N (a tile's columns past N
-# add no squares); K split over 3 programs in the producer, the consumers or both
-ROW_SQUARES_CPU = [(5, 96, 80, [(96, True), (130, False)], None, None),
-                   (3, 96, 80, [(130, False)], *[kernels.RowsLaunch(64, 32, 2, 4, 3)] * 2),
-                   (16, 200, 64, [(2 * 72, True)], None, kernels.RowsLaunch(64, 64, 2, 4, 3))]
+# rows, N, K, consumers (n, SiLU·mul), float8, launches of the producer and the consumers: ragged N (a tile's columns
+# past N add no squares); K split over 3 programs in the producer, the consumers or both; fp16 weights, in tiles of 16
+# and of 64 rows
+ROW_SQUARES_CPU = [(5, 96, 80, [(96, True), (130, False)]),
+                   (3, 96, 80, [(130, False)], True, *[kernels.RowsLaunch(64, 32, 2, 4, 3)] * 2),
+                   (16, 200, 64, [(2 * 72, True), (100, False)], True, None, kernels.RowsLaunch(64, 64, 2, 4, 3)),
+                   (5, 100, 80, [(96, True), (130, False)], False),
+                   (40, 100, 80, [(2 * 72, True), (130, False)], False)]
 
 
-@pytest.mark.parametrize("case", ROW_SQUARES_CPU, ids=["served", "split", "split-consumer"])
+@pytest.mark.parametrize("case", ROW_SQUARES_CPU, ids=["fp8", "fp8-split", "fp8-split-consumer", "rows-5", "rows-40"])
 def test_row_squares_interpreter(interpreter, case):
     interpreter(check_row_squares, "cpu", torch.float16, *case)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-def test_row_squares_cuda(dtype, rows):
-    """An 8B EAGLE-3 head's o and down feeding its gate/up and 8,192-row lm_head, at the served launches."""
-    check_row_squares("cuda", dtype, rows, 4096, 4096, [(28672, True), (8192, False)])
-    check_row_squares("cuda", dtype, rows, 4096, 14336, [(8192, False)])
+def test_row_squares_cuda(dtype):
+    """At the served launches: an 8B EAGLE-3 head's float8 o and down feeding its gate/up and 8,192-row lm_head at 4
+    and 8 rows (a draft pass); an 8B target's o and down feeding its gate/up and q/k/v at 8 and 48 rows (whole-SM
+    calls, verification), SmolLM2's at 64."""
+    for rows in (4, 8):
+        check_row_squares("cuda", dtype, rows, 4096, 4096, [(28672, True), (8192, False)])
+        check_row_squares("cuda", dtype, rows, 4096, 14336, [(8192, False)])
+    for rows in (8, 48):
+        check_row_squares("cuda", dtype, rows, 4096, 4096, [(28672, True), (6144, False)], False)
+        check_row_squares("cuda", dtype, rows, 4096, 14336, [(6144, False)], False)
+    check_row_squares("cuda", dtype, 64, 576, 576, [(3072, True), (960, False)], False)
+    check_row_squares("cuda", dtype, 64, 576, 1536, [(960, False)], False)
 
 
 def run_e4m3_ptx(ptx: str, word: int) -> tuple[int, int]:
