@@ -49,7 +49,7 @@ from eyas.common.layers import fuse_projections
 
 from . import hopper_compile, kernels
 from .bench import EAGLE3_DRAFT_VOCAB, add_draft_vocab_argument
-from .commands import require_output_dirs
+from .commands import require_output_dirs, require_positive
 from .cuda_graphs import replay_ms
 from .fp8 import E4M3, Fp8Weight, Fp8Weights, quantize
 
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad := [r for r in args.rows if not 2 <= r <= kernels.ROWS_MAX]:
         parser.error(f"--rows {bad}: the few-rows kernel takes 2 to {kernels.ROWS_MAX} rows")
     require_output_dirs(parser, args, "json")
+    require_positive(parser, args, "draft_vocab")
     if "fc" in args.weights and not args.head:
         parser.error("--weights fc: a target has no fc; it is a head's (--head)")
     if args.draft_vocab is not None and not args.head:

@@ -27,7 +27,7 @@ ADDING = ("o", "down")  # the linears that add the residual stream
 def served_launches(arch: str, rows: int, float8: bool) -> set[hopper_compile.Launch]:
     """The launches `fused_linear` makes for each of the target's linears (`weight_shapes`, less the lm_head) at
     `rows` rows, with float8 copies of the weights where `float8`; gate/up on o's output, as a layer's MLP takes it
-    (with its rows' squares where a float8 call wrote it: `kernels.RowSquares`)."""
+    (with its rows' squares where a few-rows call wrote it: `kernels.RowSquares`)."""
     def run_linears():
         out = None
         for name, (N, K, silu) in weight_shapes(arch).items():

@@ -74,6 +74,9 @@ def test_rows_outside_the_kernels_range_and_a_json_without_its_folder_are_refuse
         with pytest.raises(SystemExit):
             linear_bench.main(head_only)
         assert "(--head)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        linear_bench.main(["--head", "--draft-vocab", "0"])
+    assert "--draft-vocab" in capsys.readouterr().err
 
 
 def test_resources_of_a_heads_fc(capsys):
