@@ -39,6 +39,7 @@ import torch
 from eyas.common.architectures import ARCHITECTURES, random_target
 from eyas.common.assets import asset_path
 from eyas.common.cli import HelpFormatter
+from eyas.common.config import TargetConfig
 from eyas.common.eagle3 import Eagle3Config, Eagle3Head
 from eyas.common.hot_vocab import HotVocab
 from eyas.common.layers import Kernels, fuse_projections
@@ -99,9 +100,15 @@ class Result:
 EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of published EAGLE-3 heads (Llama-3.1-8B's)
 
 
+def random_head_config(target: TargetConfig, draft_vocab: int | None = None) -> Eagle3Config:
+    """The config of `random_head`'s head for a target of config `target`: one layer shaped like the target's, of
+    `draft_vocab` draft tokens (None: EAGLE3_DRAFT_VOCAB; at most the target's)."""
+    return Eagle3Config.for_target(target, min(draft_vocab or EAGLE3_DRAFT_VOCAB, target.vocab_size))
+
+
 def random_head(target: TargetModel, draft_vocab: int | None = None) -> Eagle3Head:
-    """A random head for `target`, of `draft_vocab` draft tokens (None: EAGLE3_DRAFT_VOCAB; at most the target's)."""
-    cfg = Eagle3Config.for_target(target.config, min(draft_vocab or EAGLE3_DRAFT_VOCAB, target.config.vocab_size))
+    """A random head for `target` (`random_head_config`)."""
+    cfg = random_head_config(target.config, draft_vocab)
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     with torch.device(device):
         head = Eagle3Head(cfg).to(dtype)

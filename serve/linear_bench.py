@@ -44,11 +44,11 @@ from triton.runtime.errors import OutOfResources
 
 from eyas.common.architectures import ARCHITECTURES, architecture_config
 from eyas.common.cli import HelpFormatter
-from eyas.common.eagle3 import Eagle3Config, Eagle3Head
+from eyas.common.eagle3 import Eagle3Head
 from eyas.common.layers import fuse_projections
 
 from . import hopper_compile, kernels
-from .bench import EAGLE3_DRAFT_VOCAB, add_draft_vocab_argument
+from .bench import add_draft_vocab_argument, random_head_config
 from .commands import require_output_dirs, require_positive
 from .cuda_graphs import replay_ms
 from .fp8 import E4M3, Fp8Weight, Fp8Weights, quantize
@@ -71,12 +71,11 @@ def weight_shapes(arch: str) -> dict[str, tuple[int, int, bool]]:
 
 
 def head_weight_shapes(arch: str, draft_vocab: int | None = None) -> dict[str, tuple[int, int, bool]]:
-    """The same of an EAGLE-3 head for `arch`'s target, of `draft_vocab` draft tokens (None: EAGLE3_DRAFT_VOCAB; at
-    most the target's), as the engine serves it: its layer's (q/k/v over the token's embedding and the stream side by
-    side), its lm_head, and fc (over the target's captured streams)."""
-    cfg = architecture_config(arch)
+    """The same of bench-eagle's random EAGLE-3 head for `arch`'s target (`random_head_config`: `draft_vocab` draft
+    tokens), as the engine serves it: its layer's (q/k/v over the token's embedding and the stream side by side), its
+    lm_head, and fc (over the target's captured streams)."""
     with torch.device("meta"):
-        head = Eagle3Head(Eagle3Config.for_target(cfg, min(draft_vocab or EAGLE3_DRAFT_VOCAB, cfg.vocab_size)))
+        head = Eagle3Head(random_head_config(architecture_config(arch), draft_vocab))
     fuse_projections(head)
     attention, mlp = head.midlayer.self_attn, head.midlayer.mlp
     linears = {"qkv": attention.qkv_proj, "o": attention.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj,

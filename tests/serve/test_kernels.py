@@ -439,11 +439,11 @@ def check_row_squares(device, dtype, rows, N, K, consumers, fp8=True, producer_l
     kernels.rms_norm = None  # a consumer that normalises r in a launch of its own fails
     try:
         outs = [consume(*consumer) for consumer in weights]
-        weight, copy, _ = next(consumer for consumer in weights if not consumer[2])
+        plain = [silu for *_, silu in weights].index(False)  # a consumer without SiLU·mul: linear in 1 / RMS
+        weight, copy, _ = weights[plain]
         r.row_squares.sums.mul_(4)
         halved = kernels.rows_kernel(r, weight, None, False, copy, consumer_launch, norm=(None, EPS))
-        plain = outs[[consumer[2] for consumer in weights].index(False)]
-        torch.testing.assert_close(halved.float(), plain.float() / 2, rtol=TOLERANCE[dtype], atol=1e-6)
+        torch.testing.assert_close(halved.float(), outs[plain].float() / 2, rtol=TOLERANCE[dtype], atol=1e-6)
     finally:
         kernels.rms_norm = rms_norm_launch
     r.mul_(1.5)  # changed in place: its squares are stale
